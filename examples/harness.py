@@ -1,0 +1,186 @@
+"""Command-line, checking and timing plumbing shared by the example scripts.
+
+Nothing here is part of the lesson: each script keeps its kernels, its torch-facing function and
+its reference to itself, and only its ``main`` leans on this module for the parts that are the same
+everywhere (flags, the no-GPU message, compile-only builds, error metrics, timing and the peers
+we compare against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+ARCHS = ("sm_80", "sm_89", "sm_90a", "sm_100a")
+
+
+# ----------------------------------------------------------------------------- command line
+def base_parser(
+    description: str, *, dim: int = 128, seq_len: int = 4096
+) -> argparse.ArgumentParser:
+    """The flags every attention script shares (GUIDE §1)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--seq_len", type=int, default=seq_len, help="query length")
+    p.add_argument("--seq_len_k", type=int, default=None, help="key length (default: --seq_len)")
+    p.add_argument("--dim", type=int, default=dim, help="head dimension")
+    p.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the check")
+    p.add_argument("--no-bench", dest="bench", action="store_false", help="skip the benchmark")
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="build every kernel for --arch and print a summary; needs no GPU",
+    )
+    p.add_argument("--arch", choices=ARCHS, default="sm_90a", help="target for --compile-only")
+    p.add_argument("--tune", action="store_true", help="autotune the tile configuration")
+    return p
+
+
+def require_gpu(script: str, arch: str = "sm_90a", capability: tuple[int, int] | None = None):
+    """Exit with one clear line when the GPU this script needs is absent."""
+    hint = f"use `python {script} --compile-only --arch {arch}` to build the kernels without one"
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: no CUDA GPU found; {hint}.")
+    if capability is not None and torch.cuda.get_device_capability() != capability:
+        name = torch.cuda.get_device_name()
+        sys.exit(f"{script}: needs compute capability {capability}, found {name}; {hint}.")
+
+
+# ----------------------------------------------------------------------------- compile-only
+def target_for(arch: str) -> dict:
+    return {"kind": "cuda", "arch": arch}
+
+
+def compile_for(jit_fn, arch: str, *args, **kwargs):
+    """Build a ``@tilelang.jit`` kernel for ``arch`` without a GPU (nvcc only)."""
+    import tilelang
+
+    program = jit_fn.get_tir(*args, **kwargs)
+    return tilelang.compile(program, target=target_for(arch), pass_configs=jit_fn.pass_configs)
+
+
+def describe_source(name: str, source: str) -> str:
+    """One summary line: which Hopper/Blackwell features the generated CUDA uses."""
+    features = {
+        "wgmma": "wgmma" in source,
+        "tma": "tma_load" in source,
+        "tma-store": "tma_store" in source,
+        "bulk-reduce": "cp.reduce.async.bulk" in source or "tma_store_add" in source,
+        "tcgen05": "tcgen05" in source,
+        "tmem": "tmem" in source.lower(),
+        "atomics": "atomic" in source.lower(),
+    }
+    used = ", ".join(k for k, v in features.items() if v) or "plain CUDA"
+    return f"  {name}: {len(source.splitlines())} lines of CUDA; uses {used}"
+
+
+# ----------------------------------------------------------------------------- correctness
+def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> float:
+    """Relative error ‖out−ref‖/‖ref‖ must stay under ``rtol``; NaN/Inf never pass."""
+    out, ref = out.float(), ref.float()
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(out), finite):
+        raise AssertionError(f"{name}: non-finite values where the reference has none (or back)")
+    diff = (out[finite] - ref[finite]).double()
+    max_abs = diff.abs().max().item() if diff.numel() else 0.0
+    rel = (diff.norm() / ref[finite].double().norm().clamp_min(1e-30)).item()
+    print(f"  {name:<8} max|diff| {max_abs:.3e}   rel {rel:.3e}   (tol {rtol:g})")
+    if not rel < rtol:
+        raise AssertionError(f"{name}: relative error {rel:.3e} exceeds {rtol:g}")
+    return rel
+
+
+# ----------------------------------------------------------------------------- timing
+def bench_ms(fn) -> float:
+    """Median milliseconds of ``fn()`` (warm-up and compile happen before timing)."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def attention_flops(batch, heads, seq_q, seq_k, dim_qk, dim_v, causal, backward=False) -> float:
+    """GUIDE §3: 2·B·H·Sq·Sk·(Dqk+Dv), halved for causal, ×2.5 for the backward."""
+    flops = 2.0 * batch * heads * seq_q * seq_k * (dim_qk + dim_v)
+    if causal and seq_q == seq_k:
+        flops *= 0.5  # the convention every FlashAttention benchmark uses
+    elif causal:
+        # bottom-right aligned: count the visible part of the Sq×Sk rectangle
+        visible = sum(max(0, min(seq_k, i + 1 + seq_k - seq_q)) for i in range(seq_q))
+        flops *= visible / (seq_q * seq_k)
+    return flops * (2.5 if backward else 1.0)
+
+
+def sdpa_peers(q, k, v, causal: bool, softmax_scale: float, layout: str = "bshd") -> dict:
+    """Forward peers on the same inputs: SDPA's FLASH (= FA2) and cuDNN backends, and FA3.
+
+    SDPA's causal mask is aligned top-left, so for Sq != Sk causal runs it is not a peer.
+    FA3's forward is bf16-only here and optional: skipped cleanly when not importable.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if (
+        causal
+        and q.shape[-3 if layout == "bshd" else -2] != k.shape[-3 if layout == "bshd" else -2]
+    ):
+        return {}
+    to_bhsd = (lambda x: x.transpose(1, 2)) if layout == "bshd" else (lambda x: x)
+    qh, kh, vh = to_bhsd(q), to_bhsd(k), to_bhsd(v)
+    gqa = qh.shape[1] != kh.shape[1]
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qh, kh, vh, is_causal=causal, scale=softmax_scale, enable_gqa=gqa
+                )
+
+        return run
+
+    peers = {
+        "sdpa_flash(FA2)": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+    fa3 = fa3_forward()
+    if fa3 is not None and q.dtype == torch.bfloat16:
+        qs, ks, vs = (x if layout == "bshd" else x.transpose(1, 2) for x in (q, k, v))
+        peers["fa3"] = lambda: fa3(qs, ks, vs, softmax_scale=softmax_scale, causal=causal)
+    return peers
+
+
+def fa3_forward():
+    try:
+        from fa3_fwd_interface import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def report(title: str, ours: dict, peers: dict, flops: float) -> list[dict]:
+    """Time ours and every peer in this one run; print ms, TFLOP/s and ratio to the best peer."""
+    rows = []
+    for name, fn in {**ours, **peers}.items():
+        try:
+            ms = bench_ms(fn)
+        except Exception as err:  # a peer without a kernel for this shape is reported, not fatal
+            print(f"  {name:<26} unavailable: {type(err).__name__}: {str(err).splitlines()[0]}")
+            continue
+        rows.append({"impl": name, "ms": ms, "tflops": flops / ms * 1e-9, "ours": name in ours})
+    best_peer = max((r["tflops"] for r in rows if not r["ours"]), default=math.nan)
+    print(f"{title}  ({torch.cuda.get_device_name()})")
+    for r in rows:
+        ratio = r["tflops"] / best_peer if not math.isnan(best_peer) else math.nan
+        r["ratio_to_best_peer"] = ratio
+        tag = f"{ratio:5.2f}x best peer" if r["ours"] else ""
+        print(f"  {r['impl']:<26} {r['ms']:8.3f} ms {r['tflops']:8.1f} TFLOP/s  {tag}")
+    return rows

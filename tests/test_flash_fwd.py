@@ -1,0 +1,177 @@
+"""Dense forward scripts: references, command lines, sm_90a builds, bad input (CPU) and the
+GUIDE §2 correctness matrix on a GPU (marker ``gpu``)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import load_script
+
+BSHD = "flash_attention/example_mha_fwd_bshd.py"
+BHSD = "flash_attention/example_mha_fwd_bhsd.py"
+GQA = "flash_attention/example_gqa_fwd_bshd.py"
+SCRIPTS = [BSHD, BHSD, GQA]
+
+
+def make_inputs(script, B, Sq, Sk, H, Hkv, D, dtype=torch.float32, device="cpu", scale=1.0):
+    """q, k, v in the script's layout, normal random values times ``scale``."""
+    g = torch.Generator(device=device).manual_seed(B * 1000 + Sq * 7 + Sk + D)
+    if script == BHSD:
+        shapes = [(B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D)]
+    else:
+        shapes = [(B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D)]
+    return [(torch.randn(s, generator=g, device=device) * scale).to(dtype) for s in shapes]
+
+
+def sdpa_math(q, k, v, causal, layout):
+    """Torch's math SDPA with an explicit bottom-right causal mask, in the script's layout."""
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    mask = None
+    if causal:
+        Sq, Sk = q.shape[2], k.shape[2]
+        mask = torch.ones(Sq, Sk, dtype=torch.bool).tril(diagonal=Sk - Sq)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+# ----------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(33, 33), (17, 40), (5, 5)])
+def test_reference_matches_sdpa_math(script, causal, Sq, Sk):
+    mod = load_script(script)
+    Hkv = 2 if script == GQA else 4
+    q, k, v = make_inputs(script, 2, Sq, Sk, 4, Hkv, 32, dtype=torch.float64)
+    out = mod.ref_program(q, k, v, causal=causal)
+    ref = sdpa_math(q, k, v, causal, "bhsd" if script == BHSD else "bshd")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_reference_lse_and_rows_without_keys(script):
+    """Causal with Sq > Sk: the first Sq-Sk rows see no key → out 0, lse +inf (FA convention)."""
+    mod = load_script(script)
+    Sq, Sk = 9, 4
+    q, k, v = make_inputs(script, 1, Sq, Sk, 2, 2, 16, dtype=torch.float64)
+    out, lse = mod.ref_program(q, k, v, causal=True, return_lse=True)
+    rows = out[:, :, : Sq - Sk] if script == BHSD else out[:, : Sq - Sk]
+    assert torch.all(rows == 0)
+    assert torch.all(torch.isposinf(lse[:, :, : Sq - Sk]))
+    assert torch.all(torch.isfinite(lse[:, :, Sq - Sk :]))
+    # the rest of lse is the log-sum-exp of the scaled, masked scores
+    qh, kh = (t if script == BHSD else t.transpose(1, 2) for t in (q, k))
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(16)
+    mask = torch.ones(Sq, Sk, dtype=torch.bool).tril(diagonal=Sk - Sq)
+    expect = scores.masked_fill(~mask, -math.inf).logsumexp(-1)
+    torch.testing.assert_close(lse[:, :, Sq - Sk :], expect[:, :, Sq - Sk :])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_reference_softmax_scale(script):
+    mod = load_script(script)
+    q, k, v = make_inputs(script, 1, 8, 8, 2, 2, 16, dtype=torch.float64)
+    a = mod.ref_program(q, k, v, softmax_scale=0.5)
+    b = mod.ref_program(q * (0.5 * 4.0), k, v)  # default scale is 1/sqrt(16) = 1/4
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_causal_flag(script):
+    parser = load_script(script).build_parser()
+    assert parser.parse_args([]).causal is False
+    assert parser.parse_args(["--causal"]).causal is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--causal", "False"])  # a store_true flag takes no value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float32"])
+
+
+def test_gqa_groups_must_divide_heads(capsys):
+    mod = load_script(GQA)
+    with pytest.raises(SystemExit):
+        mod.main(["--heads", "32", "--groups", "5", "--compile-only"])
+    assert "--groups" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_main_without_gpu_says_so(script):
+    with pytest.raises(SystemExit) as exc:
+        load_script(script).main(["--seq_len", "128"])
+    assert "--compile-only" in str(exc.value.code)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_config_builds_for_sm90_with_wgmma_and_tma(script, dim, causal):
+    import harness
+
+    mod = load_script(script)
+    cfg = mod.default_config(dim, causal, "sm_90a")
+    heads = (8, 2) if script == GQA else (8,)
+    args = (2, *heads, 1000, 1000, dim, causal, 1 / math.sqrt(dim), "bfloat16")
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert "wgmma" in src, "T.gemm on shared operands should lower to WGMMA on sm_90a"
+    assert "tma_load" in src, "T.copy of global tiles should lower to TMA loads on sm_90a"
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_tune_space_builds_for_sm90(dim):
+    import harness
+
+    mod = load_script(BSHD)
+    for cfg in mod.tune_configs(dim):
+        args = (1, 4, 512, 512, dim, True, 1 / math.sqrt(dim), "float16")
+        src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+        assert "wgmma" in src, cfg
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_compile_only_main(script, capsys):
+    load_script(script).main(["--compile-only", "--seq_len", "255", "--dim", "64"])
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out and "wgmma" in out
+
+
+def _bad_inputs(script):
+    """(description, q, k, v, expected message fragment) for every rejected input."""
+    q, k, v = make_inputs(script, 1, 16, 16, 4, 2 if script == GQA else 4, 64, torch.float16)
+    seq_dim = 2 if script == BHSD else 1
+    cases = [
+        ("float32", q.float(), k, v, "float16 or bfloat16"),
+        ("mixed dtypes", q, k.bfloat16(), v, "share a dtype"),
+        ("rank 3", q[0], k, v, "q must be"),
+        ("k/v shapes differ", q, k, v.narrow(seq_dim, 0, 8), "same shape"),
+        ("head dim 48", q[..., :48], k[..., :48], v[..., :48], "head dim"),
+        ("head dim mismatch", q, k[..., :32], v[..., :32], "k must be"),
+        (
+            "strided last dim",
+            q,
+            k.transpose(-1, -2).contiguous().transpose(-1, -2),
+            v,
+            "last dimension",
+        ),
+        ("CPU tensors", q, k, v, "CUDA tensor"),
+    ]
+    if script == GQA:
+        q3 = make_inputs(script, 1, 16, 16, 3, 2, 64, torch.float16)[0]
+        cases.append(("H % Hkv", q3, k, v, "H % Hkv"))
+    else:
+        head_dim = 1 if script == BHSD else 2
+        k2, v2 = (t.narrow(head_dim, 0, 2) for t in (k, v))
+        cases.append(("MHA given fewer kv heads", q, k2, v2, "heads"))
+    return cases
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_input_raises_value_error_naming_argument(script):
+    mod = load_script(script)
+    for what, q, k, v, fragment in _bad_inputs(script):
+        with pytest.raises(ValueError, match=fragment):
+            mod.attention(q, k, v)
+            pytest.fail(f"accepted bad input: {what}")
