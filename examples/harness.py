@@ -88,8 +88,8 @@ def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) ->
     if out.shape != ref.shape:
         raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     finite = torch.isfinite(ref)
-    if not torch.equal(torch.isfinite(out), finite):
-        raise AssertionError(f"{name}: non-finite values where the reference has none (or back)")
+    if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
+        raise AssertionError(f"{name}: NaN/Inf where the reference has none, or the reverse")
     diff = (out[finite] - ref[finite]).double()
     max_abs = diff.abs().max().item() if diff.numel() else 0.0
     rel = (diff.norm() / ref[finite].double().norm().clamp_min(1e-30)).item()

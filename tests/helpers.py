@@ -28,10 +28,11 @@ def load_script(relpath: str):
 
 
 def rel_err(out, ref):
-    """‖out−ref‖/‖ref‖ over finite reference entries; inf if out is non-finite where ref is."""
+    """‖out−ref‖/‖ref‖ over finite reference entries; inf unless out's non-finite entries are
+    exactly the reference's (same places, same infinities, never NaN)."""
     out, ref = out.float(), ref.float()
     finite = torch.isfinite(ref)
-    if not torch.equal(torch.isfinite(out), finite):
+    if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
         return math.inf
     diff = (out[finite] - ref[finite]).double()
     return (diff.norm() / ref[finite].double().norm().clamp_min(1e-30)).item()
