@@ -1,0 +1,648 @@
+"""FlashAttention forward and backward, multi-head, BHSD layout, in TileLang for Hopper (SM90).
+
+``attention(q, k, v)`` is differentiable: ``q [B, H, Sq, D]``, ``k, v [B, H, Sk, D]`` (heads before
+sequence, the layout of ``torch.nn.functional.scaled_dot_product_attention``). Its forward
+is the FlashAttention forward that also saves the log-sum-exp ``lse`` of every score row (natural
+log, float32 ``[B, H, Sq]``; ``+inf`` for a row that sees no key). Its backward recomputes the
+probabilities from ``lse`` instead of storing the Sq×Sk matrix, in three kernels:
+
+1. preprocess: ``delta = rowsum(O ∘ dO)`` per query row (the softmax-gradient correction term);
+2. the backward proper, one thread block per (key block, head, batch). It keeps its K and V block
+   in shared memory and walks over the query blocks that can see it; per query block it forms
+   ``Pᵀ = exp(K Qᵀ·scale − lse)`` and ``dPᵀ = V dOᵀ``, then ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)·scale``, and
+   accumulates ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` in registers — written once at the end — while
+   ``dQ += dS K`` (one query block's partial sum from one key block) is added into a float32
+   global buffer with atomic adds, since every key block contributes to every query block;
+3. postprocess: dQ float32 → the input dtype.
+
+Working transposed (keys as rows) is what lets dK and dV stay in registers for the whole loop:
+with multi-head attention every key block has exactly one owner, so no reduction over heads is
+needed for dK and dV (the GQA backward scripts show that case).
+
+What it shows on Hopper: TMA loads of the Q/dO/lse/delta tiles in a producer warpgroup, WGMMA for
+the five GEMMs (the two that take ``Pᵀ`` and ``dSᵀ`` straight from registers use the register-A
+form), and vectorised float32 atomics for dQ.
+
+Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
+``j <= i + Sk - Sq``. A query row that sees no key gets ``O = 0`` and ``dQ = 0``. Masks run only on
+boundary blocks: the ragged tail of Sq or Sk and, when causal, the query blocks that cross the
+diagonal; the loop starts at the first query block that sees any key of the block.
+
+Head dims 64 and 128 (dK and dV for 128 keys × 128 dims already fill most of the registers of two
+warpgroups; 256 would need a different split); fp16 and bf16; any Sq, Sk ≥ 1.
+
+Run:
+    python examples/flash_attention/example_mha_bwd_bhsd.py --causal --dtype bfloat16
+    python examples/flash_attention/example_mha_bwd_bhsd.py --tune    # compare tile configs
+    python examples/flash_attention/example_mha_bwd_bhsd.py --compile-only --arch sm_90a  # no GPU
+"""
+
+import math
+import pathlib
+import sys
+
+import tilelang
+import tilelang.language as T
+import torch
+
+LOG2E = 1.4426950408889634
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+HEAD_DIMS = (64, 128)
+
+
+# ----------------------------------------------------------------------------- forward kernel
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd(
+    batch,
+    heads,
+    seq_q,
+    seq_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=128,
+    num_stages=1,
+    threads=256,
+):
+    """The forward of example_mha_fwd_bhsd.py: online softmax, and ``lse`` saved for backward."""
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
+    offset = seq_kv - seq_q  # bottom-right causal alignment
+    neg_inf = -T.infinity(accum_dtype)
+    q_shape = [batch, heads, seq_q, dim]
+    kv_shape = [batch, heads, seq_kv, dim]
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(kv_shape, dtype),
+        V: T.Tensor(kv_shape, dtype),
+        Output: T.Tensor(q_shape, dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([block_N, dim], dtype)
+            V_shared = T.alloc_shared([block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
+            scores_max = T.alloc_fragment([block_M], accum_dtype)
+            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
+            scores_scale = T.alloc_fragment([block_M], accum_dtype)
+            scores_sum = T.alloc_fragment([block_M], accum_dtype)
+            logsum = T.alloc_fragment([block_M], accum_dtype)
+
+            T.copy(Q[bz, by, bx * block_M : (bx + 1) * block_M, :], Q_shared)
+            T.fill(acc_o, 0)
+            T.fill(logsum, 0)
+            T.fill(scores_max, neg_inf)
+
+            # Key blocks this query block visits, and the first that needs a mask (the ragged
+            # tail of Sk and, when causal, the blocks crossing the diagonal).
+            n_blocks = T.ceildiv(seq_kv, block_N)
+            first_masked = seq_kv // block_N
+            if causal:
+                last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
+                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
+                first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
+
+            for k in T.Pipelined(n_blocks, num_stages=num_stages):
+                T.copy(K[bz, by, k * block_N : (k + 1) * block_N, :], K_shared)
+                T.gemm(
+                    Q_shared,
+                    K_shared,
+                    acc_s,
+                    transpose_B=True,
+                    clear_accum=True,
+                    policy=T.GemmWarpPolicy.FullRow,
+                )
+                if k >= first_masked:
+                    for i, j in T.Parallel(block_M, block_N):
+                        key = k * block_N + j
+                        visible = key < seq_kv
+                        if causal:
+                            visible = visible and key <= bx * block_M + i + offset
+                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+                T.copy(scores_max, scores_max_prev)
+                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+                for i in T.Parallel(block_M):
+                    # max = -inf (no visible key yet) becomes 0 so exp2 gives 0, not NaN
+                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+                T.reduce_sum(acc_s, scores_sum, dim=1)
+                for i in T.Parallel(block_M):
+                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                T.copy(acc_s, acc_s_cast)
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] *= scores_scale[i]
+
+                T.copy(V[bz, by, k * block_N : (k + 1) * block_N, :], V_shared)
+                T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            # Rows with no visible key (logsum = 0): O = 0 and lse = +inf, so that the backward's
+            # exp(s - lse) is 0 for them.
+            for i, j in T.Parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+            T.copy(acc_o, O_shared)
+            T.copy(O_shared, Output[bz, by, bx * block_M : (bx + 1) * block_M, :])
+            for i in T.Parallel(block_M):
+                if bx * block_M + i < seq_q:
+                    lse[bz, by, bx * block_M + i] = T.if_then_else(
+                        logsum[i] > 0,
+                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                        T.infinity(accum_dtype),
+                    )
+
+    return main
+
+
+# ----------------------------------------------------------------------------- backward kernels
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
+    """delta[b, h, i] = Σ_d O[b, h, i, d] · dO[b, h, i, d], in float32."""
+    accum_dtype = "float32"
+    shape = [batch, heads, seq_q, dim]
+
+    @T.prim_func
+    def main(
+        Output: T.Tensor(shape, dtype),
+        dO: T.Tensor(shape, dtype),
+        Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+            out_frag = T.alloc_fragment([block, dim], dtype)
+            dout_frag = T.alloc_fragment([block, dim], dtype)
+            prod = T.alloc_fragment([block, dim], accum_dtype)
+            delta = T.alloc_fragment([block], accum_dtype)
+            T.copy(Output[bz, by, bx * block : (bx + 1) * block, :], out_frag)
+            T.copy(dO[bz, by, bx * block : (bx + 1) * block, :], dout_frag)
+            for i, j in T.Parallel(block, dim):
+                prod[i, j] = T.cast(out_frag[i, j], accum_dtype) * T.cast(
+                    dout_frag[i, j], accum_dtype
+                )
+            T.reduce_sum(prod, delta, dim=1)
+            T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
+
+    return main
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd(
+    batch,
+    heads,
+    seq_q,
+    seq_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=32,
+    num_stages=2,
+    threads=256,
+):
+    """One thread block per (block_M keys, head, batch), looping over blocks of block_N queries.
+
+    Every score tile here is transposed (rows are keys, columns queries): ``acc_s`` holds Sᵀ and
+    then Pᵀ, ``acc_dp`` holds dPᵀ, ``ds_cast`` dSᵀ.
+    """
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E  # scores to log2 units, as in the forward
+    offset = seq_kv - seq_q  # bottom-right causal alignment
+    q_shape = [batch, heads, seq_q, dim]
+    kv_shape = [batch, heads, seq_kv, dim]
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(kv_shape, dtype),
+        V: T.Tensor(kv_shape, dtype),
+        dO: T.Tensor(q_shape, dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+        dQ_accum: T.Tensor(q_shape, accum_dtype),
+        dK: T.Tensor(kv_shape, dtype),
+        dV: T.Tensor(kv_shape, dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=threads) as (bx, by, bz):
+            K_shared = T.alloc_shared([block_M, dim], dtype)
+            V_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([block_N, dim], dtype)
+            dO_shared = T.alloc_shared([block_N, dim], dtype)
+            lse_shared = T.alloc_shared([block_N], accum_dtype)
+            delta_shared = T.alloc_shared([block_N], accum_dtype)
+            ds_shared = T.alloc_shared([block_M, block_N], dtype)
+            dK_shared = T.alloc_shared([block_M, dim], dtype)
+            dV_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
+            ds_cast = T.alloc_fragment([block_M, block_N], dtype)
+            dk = T.alloc_fragment([block_M, dim], accum_dtype)
+            dv = T.alloc_fragment([block_M, dim], accum_dtype)
+            dq = T.alloc_fragment([block_N, dim], accum_dtype)
+
+            # Keys past Sk read as zeros and are never stored.
+            T.copy(K[bz, by, bx * block_M : (bx + 1) * block_M, :], K_shared)
+            T.copy(V[bz, by, bx * block_M : (bx + 1) * block_M, :], V_shared)
+            T.clear(dk)
+            T.clear(dv)
+
+            # Causal: query i sees key j iff i >= j - offset, so the first query block that sees
+            # any key of this block is the one holding query bx·block_M − offset. (It is never
+            # past the end: the last query sees every key.)
+            q_start = 0
+            if causal:
+                q_start = T.max(0, bx * block_M - offset) // block_N
+            key_tail = (bx + 1) * block_M > seq_kv
+
+            for k in T.Pipelined(q_start, T.ceildiv(seq_q, block_N), num_stages=num_stages):
+                T.copy(Q[bz, by, k * block_N : (k + 1) * block_N, :], Q_shared)
+                T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
+                T.gemm(
+                    K_shared,
+                    Q_shared,
+                    acc_s,
+                    transpose_B=True,
+                    clear_accum=True,
+                    policy=T.GemmWarpPolicy.FullRow,
+                )
+                # Pᵀ = exp2(Sᵀ·scale − lse·log2 e); lse = +inf (row sees no key) gives 0.
+                # A block needs the mask when it holds keys past Sk or queries past Sq (whose
+                # lse/delta are padding), or, causal, when its first query misses the block's
+                # last key.
+                needs_mask = key_tail or (k + 1) * block_N > seq_q
+                if causal:
+                    needs_mask = needs_mask or k * block_N + offset < (bx + 1) * block_M - 1
+                if needs_mask:
+                    for i, j in T.Parallel(block_M, block_N):
+                        key = bx * block_M + i
+                        query = k * block_N + j
+                        visible = key < seq_kv and query < seq_q
+                        if causal:
+                            visible = visible and key <= query + offset
+                        acc_s[i, j] = T.if_then_else(
+                            visible, T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E), 0
+                        )
+                else:
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
+
+                T.copy(dO[bz, by, k * block_N : (k + 1) * block_N, :], dO_shared)
+                T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
+                T.gemm(
+                    V_shared,
+                    dO_shared,
+                    acc_dp,
+                    transpose_B=True,
+                    clear_accum=True,
+                    policy=T.GemmWarpPolicy.FullRow,
+                )
+                T.copy(acc_s, acc_s_cast)
+                T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+
+                # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
+                for i, j in T.Parallel(block_M, block_N):
+                    ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
+                T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+
+                # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
+                # transposed, then one whole-tile atomic add (bounds-checked past Sq).
+                T.copy(ds_cast, ds_shared)
+                T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
+                T.atomic_add(dQ_accum[bz, by, k * block_N : (k + 1) * block_N, :], dq)
+
+            T.copy(dv, dV_shared)
+            T.copy(dV_shared, dV[bz, by, bx * block_M : (bx + 1) * block_M, :])
+            T.copy(dk, dK_shared)
+            T.copy(dK_shared, dK[bz, by, bx * block_M : (bx + 1) * block_M, :])
+
+    return main
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
+    """dQ = dQ_accum converted from float32 to the input dtype."""
+    accum_dtype = "float32"
+    shape = [batch, heads, seq_q, dim]
+
+    @T.prim_func
+    def main(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
+        with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+            dq = T.alloc_fragment([block, dim], accum_dtype)
+            dq_cast = T.alloc_fragment([block, dim], dtype)
+            T.copy(dQ_accum[bz, by, bx * block : (bx + 1) * block, :], dq)
+            T.copy(dq, dq_cast)
+            T.copy(dq_cast, dQ[bz, by, bx * block : (bx + 1) * block, :])
+
+    return main
+
+
+# ----------------------------------------------------------------------------- configurations
+def forward_config(dim, arch="sm_90a"):
+    """The forward script's measured tiles (see example_mha_fwd_bhsd.default_config)."""
+    if arch.startswith("sm_90"):
+        if dim <= 64:
+            return dict(block_M=192, block_N=128, num_stages=2, threads=384)
+        return dict(block_M=128, block_N=128, num_stages=1, threads=256)
+    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+
+
+def default_config(dim, causal, arch="sm_90a"):
+    """Backward tiles: block_M keys per thread block, block_N queries per loop step.
+
+    Hopper: 256 threads are two consumer warpgroups of 64 keys each (TileLang adds a producer
+    warpgroup for the TMA loads), and two stages let the next Q/dO tile load while this one is
+    used. dK and dV (block_M × dim float32 each) live in registers for the whole loop, so D=128
+    keeps the query step short (32); D=64 has room for 64. Not yet measured here: the H100
+    figures behind this choice are upstream TileLang's (128×32, 256 threads, 2 stages at D=128).
+    ``causal`` does not change the choice today (kept in the signature on purpose).
+    """
+    del causal
+    if arch.startswith("sm_90"):
+        if dim <= 64:
+            return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+        return dict(block_M=128, block_N=32, num_stages=2, threads=256)
+    return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+
+
+def tune_configs(dim):
+    """The space ``--tune`` compares: 64 keys per consumer warpgroup (one or two warpgroups),
+    32 or 64 queries a step, one or two stages. All of them build for sm_90a at D=64 and D=128;
+    which of them spill registers at D=128 (dK and dV take 128 per thread) is for the GPU run
+    to show. With 32 queries a step the dQ GEMM is too short for WGMMA and uses mma.sync."""
+    del dim  # the same space for both head dims today
+    return [
+        dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
+        for bm, th in ((64, 128), (128, 256))
+        for bn in (32, 64)
+        for st in (1, 2)
+    ]
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def device_arch(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def _check_inputs(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, seqlen, dim], got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, H, _, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be [{B}, heads, seqlen_k, {D}] to match q, got {tuple(k.shape)}")
+    if k.shape[1] != H:
+        raise ValueError(
+            f"k has {k.shape[1]} heads but q has {H}: this is the MHA script "
+            "(use example_gqa_bwd.py for grouped-query attention)"
+        )
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError(f"seqlen of q and k must be at least 1, got {q.shape[2]}, {k.shape[2]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v must be on the same device")
+
+
+def _dtype_name(t):
+    return "float16" if t.dtype == torch.float16 else "bfloat16"
+
+
+def attention_forward(q, k, v, causal, softmax_scale):
+    """Forward kernel alone: ``out [B, H, Sq, D]`` and ``lse [B, H, Sq]`` (float32, natural log)."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    cfg = forward_config(D, device_arch(q.device))
+    kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    kernel(q, k, v, out, lse)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
+    """The three backward kernels: returns ``dq, dk, dv`` in the input dtype."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    dtype = _dtype_name(q)
+    cfg = config or default_config(D, causal, device_arch(q.device))
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
+    delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    flashattn_bwd_preprocess(B, H, Sq, D, dtype)(out, dout, delta)
+    dq_accum = torch.zeros(B, H, Sq, D, dtype=torch.float32, device=q.device)  # atomics add here
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    kernel = flashattn_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
+    kernel(q, k, v, dout, lse, delta, dq_accum, dk, dv)
+    dq = torch.empty_like(q)
+    flashattn_bwd_postprocess(B, H, Sq, D, dtype)(dq_accum, dq)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Forward saves (q, k, v, out, lse); backward runs preprocess, backward, postprocess."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, config):
+        out, lse = attention_forward(q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.config
+        )
+        return dq, dk, dv, None, None, None
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, config=None):
+    """Differentiable FlashAttention for ``q [B, H, Sq, D]``, ``k, v [B, H, Sk, D]`` (fp16/bf16,
+    CUDA). Returns ``out [B, H, Sq, D]``. ``config`` overrides the backward tiles
+    (see ``default_config``)."""
+    _check_inputs(q, k, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale), config)
+
+
+# ----------------------------------------------------------------------------- reference
+def ref_program(q, k, v, causal=False, softmax_scale=None):
+    """Plain PyTorch in float32 (float64 stays float64; runs on CPU too), differentiable by
+    autograd; same conventions as ``attention`` (rows that see no key: out 0, dq 0)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    D = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
+    scores = torch.einsum("bhqd,bhkd->bhqk", qf, kf) * scale
+    if causal:
+        Sq, Sk = q.shape[2], k.shape[2]
+        rows = torch.arange(Sq, device=q.device)[:, None]
+        cols = torch.arange(Sk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (Sk - Sq), float("-inf"))
+    # softmax of an all -inf row is NaN; such rows get probabilities 0 (and so zero gradient)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bhkd->bhqd", probs, vf).to(q.dtype)
+
+
+def reference_grads(q, k, v, dout, causal, softmax_scale):
+    """out, dq, dk, dv from autograd through ``ref_program`` in float32, one batch entry at a
+    time so the Sq×Sk matrices stay bounded at benchmark sizes."""
+    results = []
+    for b in range(q.shape[0]):
+        leaves = [t[b : b + 1].detach().float().requires_grad_() for t in (q, k, v)]
+        out = ref_program(*leaves, causal=causal, softmax_scale=softmax_scale)
+        grads = torch.autograd.grad(out, leaves, dout[b : b + 1].float())
+        results.append((out.detach(), *grads))
+    return [torch.cat(parts) for parts in zip(*results, strict=True)]
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def build_parser():
+    parser = _harness().base_parser(__doc__.splitlines()[0])
+    parser.set_defaults(dim=128)
+    return parser
+
+
+def make_inputs(batch, heads, seq_q, seq_k, dim, dtype, device="cuda", seed=0):
+    """Normal random q, k, v (requiring grad) and an upstream gradient dout."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, dim, generator=g, device=device, dtype=dtype)
+    k = torch.randn(batch, heads, seq_k, dim, generator=g, device=device, dtype=dtype)
+    v = torch.randn(batch, heads, seq_k, dim, generator=g, device=device, dtype=dtype)
+    dout = torch.randn(batch, heads, seq_q, dim, generator=g, device=device, dtype=dtype)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
+def check(batch, heads, seq_q, seq_k, dim, causal, dtype, config=None):
+    """Out and dq, dk, dv against autograd through ``ref_program`` (GUIDE §2 tolerances)."""
+    harness = _harness()
+    q, k, v, dout = make_inputs(batch, heads, seq_q, seq_k, dim, dtype)
+    scale = 1.0 / math.sqrt(dim)
+    out = attention(q, k, v, causal, scale, config=config)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, dout, causal, scale)
+    harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+    harness.check_grads({"dq": dq, "dk": dk, "dv": dv}, {"dq": ref_dq, "dk": ref_dk, "dv": ref_dv})
+
+
+def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
+    """Forward+backward and backward alone, ours (one row per entry of ``configs``, a name →
+    backward config dict; default: ``default_config``) beside SDPA FLASH (FA2) and cuDNN on the
+    same inputs. Returns the rows of both reports: {"fwd+bwd": [...], "bwd": [...]}."""
+    harness = _harness()
+    q, k, v, dout = make_inputs(batch, heads, seq_q, seq_k, dim, dtype)
+    scale = 1.0 / math.sqrt(dim)
+    configs = configs or {"tilelang": None}
+    fwd_bwd, bwd = {}, {}
+    for name, cfg in configs.items():
+        out = attention(q, k, v, causal, scale, config=cfg)  # graph kept for backward alone
+        fwd_bwd[name] = lambda cfg=cfg: torch.autograd.grad(
+            attention(q, k, v, causal, scale, config=cfg), (q, k, v), dout
+        )
+        bwd[name] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    peers_fwd_bwd, peers_bwd = harness.sdpa_backward_peers(
+        q, k, v, dout, causal, scale, layout="bhsd"
+    )
+    fwd = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal)
+    bwd_flops = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal, True)
+    shape = f"B{batch} H{heads} Sq{seq_q} Sk{seq_k} D{dim} causal={causal} {dtype}"
+    return {
+        "fwd+bwd": harness.report(
+            f"forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd + bwd_flops
+        ),
+        "bwd": harness.report(f"backward {shape}", bwd, peers_bwd, bwd_flops),
+    }
+
+
+def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=None):
+    """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
+    harness = _harness()
+    scale = 1.0 / math.sqrt(dim)
+    cfg = config or default_config(dim, causal, arch)
+    fwd_cfg = forward_config(dim, arch)
+    kernels = {
+        "flashattn_fwd": (flashattn_fwd, (seq_k, dim, causal, scale, dtype), fwd_cfg),
+        "flashattn_bwd_preprocess": (flashattn_bwd_preprocess, (dim, dtype), {}),
+        "flashattn_bwd": (flashattn_bwd, (seq_k, dim, causal, scale, dtype), cfg),
+        "flashattn_bwd_postprocess": (flashattn_bwd_postprocess, (dim, dtype), {}),
+    }
+    return {
+        name: harness.compile_for(fn, arch, batch, heads, seq_q, *args, **kw).get_kernel_source()
+        for name, (fn, args, kw) in kernels.items()
+    }
+
+
+def main(argv=None):
+    harness = _harness()
+    args = build_parser().parse_args(argv)
+    B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
+    Sk = args.seq_len_k or Sq
+    script = pathlib.Path(__file__).name
+    if D not in HEAD_DIMS:
+        build_parser().error(f"--dim must be one of {HEAD_DIMS}")
+
+    if args.compile_only:
+        sources = compile_all(B, H, Sq, Sk, D, args.causal, args.dtype, args.arch)
+        print(f"{script}: built for {args.arch} with {default_config(D, args.causal, args.arch)}")
+        for name, src in sources.items():
+            print(harness.describe_source(name, src))
+        return
+
+    harness.require_gpu(script)
+    dtype = harness.DTYPES[args.dtype]
+    config = None
+    if args.tune:
+        # Every candidate side by side in one run; the fastest backward is then checked.
+        named = {"tilelang " + _config_name(c): c for c in tune_configs(D)}
+        rows = benchmark(B, H, Sq, Sk, D, args.causal, dtype, named)
+        best = min((r for r in rows["bwd"] if r["ours"]), key=lambda r: r["ms"])["impl"]
+        config = named[best]
+        print(f"tuned: {config}")
+    if args.check:
+        print(f"check B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")
+        check(B, H, Sq, Sk, D, args.causal, dtype, config)
+    if args.bench and not args.tune:
+        benchmark(B, H, Sq, Sk, D, args.causal, dtype, {"tilelang": config})
+
+
+def _config_name(cfg):
+    return f"{cfg['block_M']}x{cfg['block_N']}/{cfg['num_stages']}st/{cfg['threads']}t"
+
+
+if __name__ == "__main__":
+    main()
