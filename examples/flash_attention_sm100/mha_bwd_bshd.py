@@ -1,0 +1,554 @@
+"""FlashAttention backward, multi-head, BSHD layout, TileLang for Blackwell (SM100).
+
+``attention(q, k, v, causal, softmax_scale)`` is differentiable: its forward is the ``ss`` kernel
+of gqa_fwd_bshd.py (one kv head per query head) and its backward computes dQ, dK, dV with five
+TCGEN05 GEMMs per step, every accumulator in tensor memory (TMEM). One thread block owns
+``block_M`` = 128 keys (one per TMEM lane) and walks the query blocks that can see them
+(``block_N`` = 64 queries each), recomputing ``Pᵀ = exp(K Qᵀ · scale − lse)`` rather than
+storing P in the forward:
+
+    Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ,  dV += Pᵀ dO,  dSᵀ = Pᵀ ∘ (dPᵀ − delta) · scale,  dK += dSᵀ Q,
+    dQ += dS K   (``delta`` = rowsum(dO ∘ O), computed in PyTorch before the kernel)
+
+Each GEMM group is issued by one thread and waited for on an mbarrier
+(``T.tcgen05_gemm(..., mbar=...)`` then ``T.mbarrier_wait_parity``). dQ receives a
+contribution from every key block, so each block adds its share into a float32 dQ with atomic
+adds. dK and dV belong to one block each and are stored directly.
+
+Causal masking is aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk - Sq``);
+rows that see no key give zero output and zero gradients.
+
+No Blackwell GPU has run this script here: every kernel is compiled for sm_100a and its generated
+code inspected by tests/test_sm100.py. On a B200, ``main`` checks out, dQ, dK, dV against autograd
+through ``ref_program`` and benchmarks against SDPA's backward.
+
+Run:
+    python examples/flash_attention_sm100/mha_bwd_bshd.py --causal
+    python examples/flash_attention_sm100/mha_bwd_bshd.py --compile-only --arch sm_100a  # no GPU
+"""
+
+import math
+import pathlib
+import sys
+
+import einops
+import tilelang
+import tilelang.language as T
+import torch
+
+LOG2E = 1.4426950408889634
+# Plain T.serial loops ordered by our own mbarrier waits: no automatic warp specialization.
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+}
+HEAD_DIMS = (64, 128)
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may use on SM100 (227 KB)
+TMEM_COLUMNS = 512  # 128 lanes × 512 columns of 32 bits per SM
+
+
+# ----------------------------------------------------------------------------- kernels
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd(
+    batch,
+    heads,
+    heads_kv,
+    seq_q,
+    seq_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    variant="ss",
+    block_M=128,
+    block_N=128,
+):
+    """Forward (``ss`` or ``ts``, as in gqa_fwd_bshd.py): ``out`` and the ``lse`` the backward
+    needs."""
+    if variant not in ("ss", "ts"):
+        raise ValueError(f"flashattn_fwd builds the ss and ts variants, got {variant!r}")
+    use_ts = variant == "ts"
+    groups = heads // heads_kv
+    # ts: two warpgroups share the 128 TMEM lanes; each reads half of the columns.
+    threads = 256 if use_ts else 128
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
+    offset = seq_kv - seq_q  # bottom-right causal alignment
+    neg_inf = -T.infinity(accum_dtype)
+    q_shape = [batch, seq_q, heads, dim]
+    kv_shape = [batch, seq_kv, heads_kv, dim]
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(kv_shape, dtype),
+        V: T.Tensor(kv_shape, dtype),
+        Output: T.Tensor(q_shape, dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([block_N, dim], dtype)
+            V_shared = T.alloc_shared([block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            # Accumulators live in tensor memory: S = Q Kᵀ and this block's P V.
+            S_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
+            PV_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
+            if use_ts:
+                P_tmem = T.alloc_tmem([block_M, block_N], dtype)
+            else:
+                P_shared = T.alloc_shared([block_M, block_N], dtype)
+            s_ready = T.alloc_barrier(1)  # GEMM 1 done (one arrival: the MMA's commit)
+            pv_ready = T.alloc_barrier(1)  # GEMM 2 done
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_pv = T.alloc_fragment([block_M, dim], accum_dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
+            scores_max = T.alloc_fragment([block_M], accum_dtype)
+            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
+            scores_scale = T.alloc_fragment([block_M], accum_dtype)
+            scores_sum = T.alloc_fragment([block_M], accum_dtype)
+            logsum = T.alloc_fragment([block_M], accum_dtype)
+
+            T.copy(Q[bz, bx * block_M : (bx + 1) * block_M, by, :], Q_shared)
+            T.fill(acc_o, 0)
+            T.fill(logsum, 0)
+            T.fill(scores_max, neg_inf)
+
+            # Key blocks this query block visits, and the first that needs a mask (the ragged
+            # tail block and, when causal, the blocks crossing the diagonal).
+            n_blocks = T.ceildiv(seq_kv, block_N)
+            first_masked = seq_kv // block_N
+            if causal:
+                last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
+                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
+                first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
+
+            # A plain loop, not T.Pipelined: the MMA reads K_shared/V_shared asynchronously, so a
+            # buffer may be refilled only after the barrier of the GEMM reading it was waited on.
+            for k in T.serial(n_blocks):
+                T.copy(K[bz, k * block_N : (k + 1) * block_N, by // groups, :], K_shared)
+                # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM; one elected thread issues it.
+                T.tcgen05_gemm(
+                    Q_shared, K_shared, S_tmem, transpose_B=True, clear_accum=True, mbar=s_ready
+                )
+                # Load V while GEMM 1 runs: its last reader, GEMM 2 of step k-1, was waited on.
+                T.copy(V[bz, k * block_N : (k + 1) * block_N, by // groups, :], V_shared)
+                T.mbarrier_wait_parity(s_ready, k % 2)  # the barrier completes once per step
+                T.copy(S_tmem, acc_s)  # tcgen05.ld: TMEM → registers
+
+                if k >= first_masked:
+                    for i, j in T.Parallel(block_M, block_N):
+                        key = k * block_N + j
+                        visible = key < seq_kv
+                        if causal:
+                            visible = visible and key <= bx * block_M + i + offset
+                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+                # Online softmax: new row max, rescale what was accumulated under the old one.
+                T.copy(scores_max, scores_max_prev)
+                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+                for i in T.Parallel(block_M):
+                    # A row with no visible key yet keeps max = -inf; 0 avoids exp2(-inf + inf).
+                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+                T.reduce_sum(acc_s, scores_sum, dim=1)
+                for i in T.Parallel(block_M):
+                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of GEMM 2
+
+                # GEMM 2: this block's P V into TMEM. ss reads P from shared memory, ts from TMEM.
+                if use_ts:
+                    T.copy(acc_s_cast, P_tmem)  # tcgen05.st: registers → TMEM
+                    # every warp's P columns must be in TMEM before one thread issues the MMA
+                    T.sync_threads()
+                    T.tcgen05_gemm(P_tmem, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
+                else:
+                    T.copy(acc_s_cast, P_shared)
+                    T.tcgen05_gemm(P_shared, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
+                # Rescale the running output while GEMM 2 runs, then add its result.
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] *= scores_scale[i]
+                T.mbarrier_wait_parity(pv_ready, k % 2)
+                T.copy(PV_tmem, acc_pv)
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] += acc_pv[i, j]
+
+            # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+            for i, j in T.Parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+            T.copy(acc_o, O_shared)
+            T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
+            for i in T.Parallel(block_M):
+                if bx * block_M + i < seq_q:
+                    lse[bz, by, bx * block_M + i] = T.if_then_else(
+                        logsum[i] > 0,
+                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                        T.infinity(accum_dtype),
+                    )
+
+    return main
+
+
+# ----------------------------------------------------------------------------- backward kernel
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd(
+    batch,
+    heads,
+    heads_kv,
+    seq_q,
+    seq_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=64,
+):
+    """dQ, dK, dV for one block of ``block_M`` keys, looping over query blocks of ``block_N``.
+
+    Five TCGEN05 GEMMs per step, all accumulating in TMEM (columns for D=128: Sᵀ 64 + dPᵀ 64 +
+    dV 128 + dK 128 + dQ 64 = 448 of 512; see ``tmem_columns_bwd``):
+        Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ,  dV += Pᵀ dO,  dK += dSᵀ Q,  dQ_step = dS K
+    dQ gets contributions from every key block, so each step adds its dq into float32 dQ with
+    atomics. dK/dV of these keys come from this block alone and are stored directly.
+    """
+    groups = heads // heads_kv
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E
+    offset = seq_kv - seq_q
+    q_shape = [batch, seq_q, heads, dim]
+    kv_shape = [batch, seq_kv, heads_kv, dim]
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(kv_shape, dtype),
+        V: T.Tensor(kv_shape, dtype),
+        dO: T.Tensor(q_shape, dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+        dQ: T.Tensor(q_shape, accum_dtype),
+        dK: T.Tensor(kv_shape, accum_dtype),
+        dV: T.Tensor(kv_shape, accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=128) as (bx, by, bz):
+            K_shared = T.alloc_shared([block_M, dim], dtype)
+            V_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([block_N, dim], dtype)
+            dO_shared = T.alloc_shared([block_N, dim], dtype)
+            P_shared = T.alloc_shared([block_M, block_N], dtype)
+            dS_shared = T.alloc_shared([block_M, block_N], dtype)
+            lse_shared = T.alloc_shared([block_N], accum_dtype)
+            delta_shared = T.alloc_shared([block_N], accum_dtype)
+            qkT_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
+            dpT_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
+            dv_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
+            dk_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
+            dq_tmem = T.alloc_tmem([block_N, dim], accum_dtype)
+            s_ready = T.alloc_barrier(1)
+            grads_ready = T.alloc_barrier(1)
+            qkT = T.alloc_fragment([block_M, block_N], accum_dtype)
+            dpT = T.alloc_fragment([block_M, block_N], accum_dtype)
+            P_cast = T.alloc_fragment([block_M, block_N], dtype)
+            dS_cast = T.alloc_fragment([block_M, block_N], dtype)
+            dq = T.alloc_fragment([block_N, dim], accum_dtype)
+            dk = T.alloc_fragment([block_M, dim], accum_dtype)
+            dv = T.alloc_fragment([block_M, dim], accum_dtype)
+
+            kv_head = by // groups
+            T.copy(K[bz, bx * block_M : (bx + 1) * block_M, kv_head, :], K_shared)
+            T.copy(V[bz, bx * block_M : (bx + 1) * block_M, kv_head, :], V_shared)
+            q_first = 0
+            if causal:  # query i sees key j when i >= j - offset
+                q_first = T.max(0, (bx * block_M - offset) // block_N)
+            n_steps = T.max(0, T.ceildiv(seq_q, block_N) - q_first)
+
+            for step in T.serial(n_steps):
+                q0 = (q_first + step) * block_N
+                T.copy(Q[bz, q0 : q0 + block_N, by, :], Q_shared)
+                T.copy(dO[bz, q0 : q0 + block_N, by, :], dO_shared)
+                T.copy(lse[bz, by, q0 : q0 + block_N], lse_shared)
+                T.copy(delta[bz, by, q0 : q0 + block_N], delta_shared)
+                # Sᵀ and dPᵀ; one commit after the second covers both.
+                T.tcgen05_gemm(
+                    K_shared, Q_shared, qkT_tmem, transpose_B=True, clear_accum=True, mbar=None
+                )
+                T.tcgen05_gemm(
+                    V_shared, dO_shared, dpT_tmem, transpose_B=True, clear_accum=True, mbar=s_ready
+                )
+                T.mbarrier_wait_parity(s_ready, step % 2)
+                T.copy(qkT_tmem, qkT)
+                T.copy(dpT_tmem, dpT)
+                for i, j in T.Parallel(block_M, block_N):
+                    query = q0 + j
+                    visible = query < seq_q and bx * block_M + i < seq_kv
+                    if causal:
+                        visible = visible and bx * block_M + i <= query + offset
+                    qkT[i, j] = T.if_then_else(
+                        visible, T.exp2(qkT[i, j] * scale - lse_shared[j] * LOG2E), 0
+                    )
+                for i, j in T.Parallel(block_M, block_N):
+                    dS_cast[i, j] = qkT[i, j] * (dpT[i, j] - delta_shared[j]) * softmax_scale
+                T.copy(qkT, P_cast)
+                T.copy(P_cast, P_shared)
+                T.copy(dS_cast, dS_shared)
+                T.tcgen05_gemm(P_shared, dO_shared, dv_tmem, clear_accum=step == 0, mbar=None)
+                T.tcgen05_gemm(dS_shared, Q_shared, dk_tmem, clear_accum=step == 0, mbar=None)
+                T.tcgen05_gemm(
+                    dS_shared,
+                    K_shared,
+                    dq_tmem,
+                    transpose_A=True,
+                    clear_accum=True,
+                    mbar=grads_ready,
+                )
+                T.mbarrier_wait_parity(grads_ready, step % 2)
+                T.copy(dq_tmem, dq)
+                for i, j in T.Parallel(block_N, dim):
+                    if q0 + i < seq_q:
+                        T.atomic_add(dQ[bz, q0 + i, by, j], dq[i, j])
+
+            T.fill(dk, 0)
+            T.fill(dv, 0)
+            if n_steps > 0:
+                T.copy(dk_tmem, dk)
+                T.copy(dv_tmem, dv)
+            for i, j in T.Parallel(block_M, dim):
+                if bx * block_M + i < seq_kv:
+                    dK[bz, bx * block_M + i, kv_head, j] = dk[i, j]
+                    dV[bz, bx * block_M + i, kv_head, j] = dv[i, j]
+
+    return main
+
+
+def smem_bytes_bwd(dim, block_M, block_N, elem_bytes=2):
+    """Dynamic shared memory of the backward kernel, in bytes:
+
+    K, V (2·M·D) + Q, dO (2·N·D) + Pᵀ, dSᵀ (2·M·N) 16-bit, plus lse, delta (2·N) fp32
+    M=128, N=64, D=128: 65536 + 32768 + 32768 + 512 = 131584, under SM100's 232448.
+    """
+    return (
+        2 * block_M * dim + 2 * block_N * dim + 2 * block_M * block_N
+    ) * elem_bytes + 8 * block_N
+
+
+def tmem_columns_bwd(dim, block_N):
+    """TMEM columns: Sᵀ, dPᵀ (N each) + dV, dK (D each) + dQ (64 rows × D fp32, which TileLang
+    lays over 128 lanes in D/2 columns); each allocation rounds up to a power of 2 (≥ 32)."""
+
+    def alloc(cols):
+        return max(32, 1 << (cols - 1).bit_length())
+
+    return 2 * alloc(block_N) + 2 * alloc(dim) + alloc(dim // 2)
+
+
+def check_bwd_config(dim, block_M, block_N):
+    need = smem_bytes_bwd(dim, block_M, block_N)
+    if need > SMEM_LIMIT:
+        raise ValueError(
+            f"backward {block_M}x{block_N}: {need} bytes of shared memory > {SMEM_LIMIT}"
+        )
+    cols = tmem_columns_bwd(dim, block_N)
+    if cols > TMEM_COLUMNS:
+        raise ValueError(f"backward {block_M}x{block_N}: {cols} TMEM columns > {TMEM_COLUMNS}")
+
+
+BWD_CONFIG = dict(block_M=128, block_N=64)  # 128 keys: one TMEM lane each; 64 queries: dQ's M
+
+
+# ----------------------------------------------------------------------------- building
+def _compile(jit_fn, args, kwargs, target):
+    """Compile for this GPU (``target=None``) or, without one, for a target such as
+    ``{"kind": "cuda", "arch": "sm_100a"}``."""
+    if target is None:
+        return jit_fn(*args, **kwargs)
+    program = jit_fn.get_tir(*args, **kwargs)
+    return tilelang.compile(program, target=target, pass_configs=jit_fn.pass_configs)
+
+
+def build_kernels(args, target=None):
+    """The forward (``ss``) and backward kernels for ``args`` = (batch, heads, heads_kv, seq_q,
+    seq_kv, dim, causal, softmax_scale, dtype)."""
+    dim = args[5]
+    check_bwd_config(dim, **BWD_CONFIG)
+    fwd = _compile(flashattn_fwd, args, {"variant": "ss"}, target)
+    bwd = _compile(flashattn_bwd, args, BWD_CONFIG, target)
+    return fwd, bwd
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def _check_inputs(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, _, H, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
+    if k.shape[2] != H:
+        raise ValueError(
+            f"k has {k.shape[2]} heads but q has {H}: this is the MHA script "
+            "(use gqa_bwd_bshd.py for grouped-query attention)"
+        )
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v must be on the same device")
+
+
+_kernels = {}
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale):
+        B, Sq, H, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+        args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
+        if args not in _kernels:
+            _kernels[args] = build_kernels(args)
+        fwd = _kernels[args][0]
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+        if Sq > 0:
+            fwd(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        bwd = _kernels[ctx.args][1]
+        dout = dout.contiguous()
+        # delta_i = Σ_d dO·O: the row term of softmax's backward, [B, H, Sq] in float32.
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        # dQ: float32, filled by atomic adds from every key block; dK/dV: stored once, float32.
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)  # every row is stored
+        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if q.shape[1] > 0 and k.shape[1] > 0:
+            bwd(q, k, v, dout, lse, delta, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def attention(q, k, v, causal=False, softmax_scale=None):
+    """Differentiable FlashAttention on Blackwell: ``q [B, Sq, H, D]``, ``k, v [B, Sk, H, D]``
+    (fp16/bf16, CUDA) → ``out [B, Sq, H, D]``; ``out.backward`` runs the TCGEN05 backward."""
+    _check_inputs(q, k, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    return _FlashAttention.apply(q, k, v, bool(causal), float(softmax_scale))
+
+
+# ----------------------------------------------------------------------------- reference
+def ref_program(q, k, v, causal=False, softmax_scale=None):
+    """Plain PyTorch in float32 (float64 inputs stay float64; runs on CPU too); differentiable,
+    so autograd through it gives the reference dQ, dK, dV."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    D = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    groups = q.shape[2] // k.shape[2]
+    qf = q.to(acc)
+    kf, vf = (einops.repeat(t.to(acc), "b s h d -> b s (h g) d", g=groups) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    if causal:
+        Sq, Sk = q.shape[1], k.shape[1]
+        rows = torch.arange(Sq, device=q.device)[:, None]
+        cols = torch.arange(Sk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (Sk - Sq), float("-inf"))
+    # Rows that see no key: probabilities 0 (softmax would give NaN), output 0.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vf).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def build_parser():
+    parser = _harness().base_parser(__doc__.splitlines()[0], seq_len=2048)
+    parser.set_defaults(arch="sm_100a")
+    return parser
+
+
+def main(argv=None):
+    harness = _harness()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    Hkv = args.heads
+    B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
+    Sk = args.seq_len_k or Sq
+    scale = 1.0 / math.sqrt(D)
+    script = pathlib.Path(__file__).name
+    if D not in HEAD_DIMS:
+        parser.error(f"--dim must be one of {HEAD_DIMS}, got {D}")
+
+    if args.compile_only:
+        kargs = (B, H, Hkv, Sq, Sk, D, args.causal, scale, args.dtype)
+        fwd, bwd = build_kernels(kargs, target=harness.target_for(args.arch))
+        print(f"{script}: built forward and backward for {args.arch}")
+        print(harness.describe_source("flashattn_fwd[ss]", fwd.get_kernel_source()))
+        print(harness.describe_source("flashattn_bwd", bwd.get_kernel_source()))
+        return
+
+    harness.require_gpu(script, arch="sm_100a", capability=(10, 0))
+    if args.tune:
+        print("--tune: no search space for the SM100 kernels yet; using the default tiles")
+    dtype = harness.DTYPES[args.dtype]
+    torch.manual_seed(0)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype)
+
+    if args.check:
+        out = attention(q, k, v, args.causal, scale)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref = ref_program(q, k, v, args.causal, scale)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+        print(f"check B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")
+        harness.check_close("out", out, ref, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        for name, g, rg in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
+            harness.check_close(name, g, rg, rtol=2e-2)  # gradients: GUIDE §2
+
+    if args.bench:
+        flops = harness.attention_flops(B, H, Sq, Sk, D, D, args.causal, backward=True)
+        out = attention(q, k, v, args.causal, scale)
+        ours = {"tilelang": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)}
+        peers = {}
+        for name, fwd_fn in harness.sdpa_peers(q, k, v, args.causal, scale).items():
+            if name == "fa3":
+                continue  # forward only
+            peer_out = fwd_fn()
+            peers[name] = lambda o=peer_out: torch.autograd.grad(
+                o, (q, k, v), dout.transpose(1, 2), retain_graph=True
+            )
+        title = f"backward B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal}"
+        harness.report(title, ours, peers, flops)
+
+
+if __name__ == "__main__":
+    main()
