@@ -29,7 +29,8 @@ boundary blocks: the ragged tail of Sq or Sk and, when causal, the query blocks 
 diagonal; the loop starts at the first query block that sees any key of the block.
 
 Head dims 64 and 128 (dK and dV for 128 keys × 128 dims already fill most of the registers of two
-warpgroups; 256 would need a different split); fp16 and bf16; any Sq, Sk ≥ 1.
+warpgroups; 256 would need a different split); fp16 and bf16; any Sq, Sk (an empty
+sequence launches nothing).
 
 Run:
     python examples/flash_attention/example_mha_bwd_bhsd.py --causal --dtype bfloat16
@@ -107,7 +108,10 @@ def flashattn_fwd(
             first_masked = seq_kv // block_N
             if causal:
                 last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
+                # At least one (fully masked) block even when no row of this block sees a key
+                # (Sq > Sk): the loop is where the consumers wait for the Q tile's TMA load, and
+                # a load still in flight at exit could land on O_shared.
+                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
                 first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
 
             for k in T.Pipelined(n_blocks, num_stages=num_stages):
@@ -419,8 +423,6 @@ def _check_inputs(q, k, v):
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        raise ValueError(f"seqlen of q and k must be at least 1, got {q.shape[2]}, {k.shape[2]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
@@ -437,10 +439,14 @@ def attention_forward(q, k, v, causal, softmax_scale):
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     cfg = forward_config(D, device_arch(q.device))
-    kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse)
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
+        kernel(q, k, v, out, lse)
     return out, lse
 
 
@@ -448,6 +454,8 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     """The three backward kernels: returns ``dq, dk, dv`` in the input dtype."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = _dtype_name(q)
     cfg = config or default_config(D, causal, device_arch(q.device))
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient

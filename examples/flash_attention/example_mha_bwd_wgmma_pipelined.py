@@ -24,7 +24,8 @@ What it buys, measured: MEASURED-FIGURE-PLACEHOLDER (the lead fills this in afte
 backward TFLOP/s of this script against example_mha_bwd_bshd.py with the same tiles, and both
 against SDPA FLASH (FA2) and cuDNN, B4 H32 S4096 D128 fp16).
 
-Head dims 64 and 128; fp16 and bf16; any Sq, Sk ≥ 1; causal aligned bottom-right (query ``i``
+Head dims 64 and 128; fp16 and bf16; any Sq, Sk (an empty
+sequence launches nothing); causal aligned bottom-right (query ``i``
 sees key ``j`` when ``j <= i + Sk − Sq``; rows that see no key get ``O = 0`` and ``dQ = 0``).
 
 Run:
@@ -103,7 +104,10 @@ def flashattn_fwd(
             first_masked = seq_kv // block_N
             if causal:
                 last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
+                # At least one (fully masked) block even when no row of this block sees a key
+                # (Sq > Sk): the loop is where the consumers wait for the Q tile's TMA load, and
+                # a load still in flight at exit could land on O_shared.
+                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
                 first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
 
             for k in T.Pipelined(n_blocks, num_stages=num_stages):
@@ -424,8 +428,6 @@ def _check_inputs(q, k, v):
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    if q.shape[1] == 0 or k.shape[1] == 0:
-        raise ValueError(f"seqlen of q and k must be at least 1, got {q.shape[1]}, {k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
@@ -442,10 +444,14 @@ def attention_forward(q, k, v, causal, softmax_scale):
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
     cfg = forward_config(D, device_arch(q.device))
-    kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    kernel(q, k, v, out, lse)
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
+        kernel(q, k, v, out, lse)
     return out, lse
 
 
@@ -453,6 +459,8 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     """The three backward kernels: returns ``dq, dk, dv`` in the input dtype."""
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
+    if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = _dtype_name(q)
     cfg = config or default_config(D, causal, device_arch(q.device))
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
