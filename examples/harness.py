@@ -184,3 +184,56 @@ def report(title: str, ours: dict, peers: dict, flops: float) -> list[dict]:
         tag = f"{ratio:5.2f}x best peer" if r["ours"] else ""
         print(f"  {r['impl']:<26} {r['ms']:8.3f} ms {r['tflops']:8.1f} TFLOP/s  {tag}")
     return rows
+
+
+# ----------------------------------------------------------------------------- backward scripts
+def check_grads(grads: dict, refs: dict, rtol: float = 2e-2) -> dict:
+    """check_close for every named gradient (GUIDE §2: fp16/bf16 gradients under 2e-2)."""
+    return {name: check_close(name, grads[name], refs[name], rtol) for name in refs}
+
+
+def sdpa_backward_peers(q, k, v, dout, causal: bool, softmax_scale: float, layout: str = "bshd"):
+    """SDPA FLASH (= FA2) and cuDNN on the same inputs: (forward+backward, backward alone),
+    two name → callable dicts for ``report``.
+
+    GQA inputs (fewer k/v heads) go through ``enable_gqa``; a backend that rejects it, or the
+    shape, is still listed and reported as unavailable. SDPA's causal mask is aligned top-left,
+    so for Sq != Sk causal runs there are no peers. The graph for "backward alone" is built here
+    once (outside any timing) and kept.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq_dim = 1 if layout == "bshd" else 2
+    if causal and q.shape[seq_dim] != k.shape[seq_dim]:
+        return {}, {}
+    to_bhsd = (lambda x: x.transpose(1, 2)) if layout == "bshd" else (lambda x: x)
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    gqa = q.shape[3 - seq_dim] != k.shape[3 - seq_dim]
+
+    def forward(backend):
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                *(to_bhsd(t) for t in leaves),
+                is_causal=causal,
+                scale=softmax_scale,
+                enable_gqa=gqa,
+            )
+
+    dout_h = to_bhsd(dout)
+    fwd_bwd, bwd = {}, {}
+    for name, backend in (
+        ("sdpa_flash(FA2)", SDPBackend.FLASH_ATTENTION),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+    ):
+        fwd_bwd[name] = lambda b=backend: torch.autograd.grad(forward(b), leaves, dout_h)
+        try:
+            out = forward(backend)
+        except Exception as err:  # reported as unavailable by `report`, like any other failure
+
+            def unavailable(err=err):
+                raise err
+
+            bwd[name] = unavailable
+            continue
+        bwd[name] = lambda o=out: torch.autograd.grad(o, leaves, dout_h, retain_graph=True)
+    return fwd_bwd, bwd

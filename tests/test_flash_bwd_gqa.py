@@ -1,0 +1,348 @@
+"""GQA backward scripts (example_gqa_bwd.py with --strategy atomic/split, and
+example_gqa_bwd_tma_reduce.py): references, command lines, sm_90a builds and their generated code,
+bad input (CPU), and the gradient matrix on a GPU (marker ``gpu``)."""
+
+import functools
+import math
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import load_script
+
+GQA_BWD = "flash_attention/example_gqa_bwd.py"
+TMA_BWD = "flash_attention/example_gqa_bwd_tma_reduce.py"
+SCRIPTS = [GQA_BWD, TMA_BWD]
+# (script, strategy) for everything that runs a backward; the TMA script has one way only.
+VARIANTS = [(GQA_BWD, "atomic"), (GQA_BWD, "split"), (TMA_BWD, None)]
+
+
+def run_attention(mod, strategy, *args, **kwargs):
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    return mod.attention(*args, **kwargs)
+
+
+def make_inputs(B, Sq, Sk, H, Hkv, Dqk, Dv, dtype=torch.float64, device="cpu", scale=1.0):
+    """q, k, v, dout (BSHD), normal random values times ``scale`` (dout unscaled)."""
+    g = torch.Generator(device=device).manual_seed(B * 1000 + Sq * 7 + Sk + Dqk + H)
+    shapes = [(B, Sq, H, Dqk), (B, Sk, Hkv, Dqk), (B, Sk, Hkv, Dv)]
+    q, k, v = ((torch.randn(s, generator=g, device=device) * scale).to(dtype) for s in shapes)
+    dout = torch.randn(B, Sq, H, Dv, generator=g, device=device).to(dtype)
+    return q, k, v, dout
+
+
+def sdpa_math(q, k, v, causal):
+    """Torch's math SDPA (BSHD in and out) with kv heads repeated and a bottom-right mask."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    mask = None
+    if causal:
+        Sq, Sk = q.shape[2], k.shape[2]
+        mask = torch.ones(Sq, Sk, dtype=torch.bool).tril(diagonal=Sk - Sq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def grads_of(fn, q, k, v, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
+# ----------------------------------------------------------------------------- CPU: references
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "Sq,Sk,H,Hkv,Dqk,Dv", [(33, 33, 4, 2, 32, 32), (17, 40, 8, 2, 48, 32), (5, 5, 4, 4, 16, 16)]
+)
+def test_reference_grads_match_sdpa_math(script, causal, Sq, Sk, H, Hkv, Dqk, Dv):
+    """ref_program's out and autograd dq/dk/dv equal SDPA math's in float64 (GQA, Sq ≤ Sk)."""
+    mod = load_script(script)
+    q, k, v, dout = make_inputs(2, Sq, Sk, H, Hkv, Dqk, Dv)
+    ours = grads_of(lambda *t: mod.ref_program(*t, causal=causal), q, k, v, dout)
+    ref = grads_of(lambda *t: sdpa_math(*t, causal), q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_reference_rows_without_keys(script):
+    """Causal, Sq > Sk: the first Sq-Sk query rows see no key → out 0, dq 0, all grads finite;
+    the other rows match SDPA math on the rows that do see keys."""
+    mod = load_script(script)
+    Sq, Sk = 11, 4
+    q, k, v, dout = make_inputs(1, Sq, Sk, 4, 2, 16, 16)
+    out, dq, dk, dv = grads_of(lambda *t: mod.ref_program(*t, causal=True), q, k, v, dout)
+    assert torch.all(out[:, : Sq - Sk] == 0) and torch.all(dq[:, : Sq - Sk] == 0)
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+    # Rows without keys contribute nothing: dropping them must leave dk, dv unchanged.
+    tail = [t[:, Sq - Sk :] for t in (q, dout)]
+    ref = grads_of(lambda *t: sdpa_math(*t, True), tail[0], k, v, tail[1])
+    for name, a, b in zip(
+        ("out", "dq", "dk", "dv"), (out[:, Sq - Sk :], dq[:, Sq - Sk :], dk, dv), ref, strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_reference_grads_chunked_by_batch_equal_direct(script):
+    """reference_grads (one batch entry at a time, float32) equals one float32 autograd pass."""
+    mod = load_script(script)
+    q, k, v, dout = make_inputs(3, 9, 12, 4, 2, 16, 8, dtype=torch.float16)
+    got = mod.reference_grads(q, k, v, dout, True, 0.3)
+    f32 = [t.float() for t in (q, k, v, dout)]
+    want = grads_of(lambda *t: mod.ref_program(*t, causal=True, softmax_scale=0.3), *f32)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------- CPU: command line
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_flags(script):
+    parser = load_script(script).build_parser()
+    args = parser.parse_args([])
+    assert args.causal is False and args.dim_v is None
+    assert parser.parse_args(["--causal"]).causal is True
+    for bad in (["--causal", "False"], ["--dtype", "float32"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_strategy_choices():
+    parser = load_script(GQA_BWD).build_parser()
+    assert parser.parse_args([]).strategy == "atomic"
+    assert parser.parse_args(["--strategy", "split"]).strategy == "split"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--strategy", "sum"])  # an unknown value is an argparse error
+    assert "--strategy" not in load_script(TMA_BWD).build_parser().format_help()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [(["--groups", "5"], "--groups"), (["--dim", "192"], "--dim"), (["--dim_v", "96"], "--dim")],
+)
+def test_main_rejects_bad_flags(script, argv, fragment, capsys):
+    with pytest.raises(SystemExit):
+        load_script(script).main(["--heads", "32", "--compile-only", *argv])
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_main_without_gpu_says_so(script):
+    with pytest.raises(SystemExit) as exc:
+        load_script(script).main(["--seq_len", "128"])
+    assert "--compile-only" in str(exc.value.code)
+
+
+# ----------------------------------------------------------------------------- CPU: builds
+@functools.cache
+def bwd_source(script, strategy, Dqk, Dv, causal, seq=1000, cfg=None):
+    """CUDA source of the backward kernel for sm_90a, built once per configuration."""
+    import harness
+
+    mod = load_script(script)
+    cfg = dict(cfg) if cfg else mod.default_config(Dqk, Dv, causal, "sm_90a")
+    args = (2, 8, 2, seq, seq, Dqk, Dv, causal, 1 / math.sqrt(Dqk), "bfloat16")
+    if strategy is not None:
+        args = (*args, strategy)
+    return harness.compile_for(mod.flashattn_bwd, "sm_90a", *args, **cfg).get_kernel_source()
+
+
+BUILDS = [  # (script, strategy, Dqk, Dv, causal): every variant, every head-dim pair once
+    (GQA_BWD, "atomic", 64, 64, True),
+    (GQA_BWD, "atomic", 128, 128, False),
+    (GQA_BWD, "split", 128, 128, True),
+    (GQA_BWD, "split", 192, 128, False),
+    (GQA_BWD, "atomic", 192, 128, True),
+    (TMA_BWD, None, 64, 64, False),
+    (TMA_BWD, None, 128, 128, True),
+    (TMA_BWD, None, 192, 128, True),
+]
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: "-".join(map(str, b[1:])))
+def test_backward_builds_for_sm90_with_wgmma_and_tma(build):
+    src = bwd_source(*build)
+    assert "wgmma" in src, "the K·Qᵀ, V·dOᵀ, dv and dk GEMMs should lower to WGMMA on sm_90a"
+    assert "tma_load" in src, "Q, dO, K, V tiles should arrive by TMA on sm_90a"
+
+
+def atomic_calls(src, buffer):
+    """The atomic-add template names the kernel applies to ``buffer`` (e.g. {'AtomicAddx4'})."""
+    return set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?" + buffer + r"\[", src))
+
+
+@pytest.mark.parametrize("Dqk,Dv", [(128, 128), (192, 128)])
+def test_atomic_strategy_code(Dqk, Dv):
+    """dK/dV: one regional atomic per tile, vectorized to four-float atomics. dQ: the annotated
+    dq_layout puts columns d and d+1 32 floats apart, so its atomics must stay scalar — a
+    vectorized dQ atomic would mean the layout-blind vectorization bug is back."""
+    src = bwd_source(GQA_BWD, "atomic", Dqk, Dv, Dqk != 128)
+    assert atomic_calls(src, "dK") == {"AtomicAddx4"}
+    assert atomic_calls(src, "dV") == {"AtomicAddx4"}
+    assert atomic_calls(src, "dQ") == {"AtomicAdd"}
+    # ... and each dQ atomic's address takes the parity bit of the column times 32 (dq_layout).
+    dq_lines = [line for line in src.splitlines() if "AtomicAdd((&(dQ[" in line]
+    assert dq_lines and all("& 1) * 32)" in line for line in dq_lines)
+
+
+def test_split_strategy_code():
+    """split: every group member writes its own dK/dV slice — no atomics on dK/dV."""
+    src = bwd_source(GQA_BWD, "split", 192, 128, False)
+    assert atomic_calls(src, "dK") == set() and atomic_calls(src, "dV") == set()
+    assert atomic_calls(src, "dQ") == {"AtomicAdd"}
+
+
+@pytest.mark.parametrize("Dqk,Dv", [(128, 128), (192, 128)])
+def test_tma_reduce_code(Dqk, Dv):
+    """dQ goes out by TMA reduce-add (no per-element dQ atomics); dK/dV by vectorized regional
+    atomics; and TileLang's tma_store_add template is the bulk-tensor reduce instruction."""
+    src = bwd_source(TMA_BWD, None, Dqk, Dv, True)
+    assert re.search(r"tl::tma_store_add\(dQ_desc,", src), "dQ should use the TMA reduce-add"
+    assert atomic_calls(src, "dQ") == set()
+    assert atomic_calls(src, "dK") == {"AtomicAddx4"}
+    assert atomic_calls(src, "dV") == {"AtomicAddx4"}
+    import tilelang
+
+    header = pathlib.Path(tilelang.__file__).parent / "src/tl_templates/cuda/copy_sm90.h"
+    text = header.read_text()
+    body = text[text.index("TL_DEVICE void tma_store_add(const CUtensorMap") :]
+    assert "cp.reduce.async.bulk.tensor" in body.split("TL_DEVICE", 2)[1]
+
+
+def test_tune_space_builds_for_sm90():
+    """Every configuration tune_configs offers builds (D 128 and the 192/128 pair)."""
+    mod = load_script(GQA_BWD)
+    for Dqk, Dv in ((128, 128), (192, 128)):
+        for cfg in mod.tune_configs(Dqk, Dv):
+            if cfg == mod.default_config(Dqk, Dv, True, "sm_90a"):
+                continue  # built by the tests above
+            src = bwd_source(GQA_BWD, "atomic", Dqk, Dv, True, 255, tuple(sorted(cfg.items())))
+            assert "wgmma" in src, cfg
+
+
+@pytest.mark.parametrize(
+    "script,argv",
+    [
+        (GQA_BWD, ["--strategy", "split", "--dim", "64"]),
+        (TMA_BWD, ["--dim", "192", "--dim_v", "128", "--causal"]),
+    ],
+)
+def test_compile_only_main(script, argv, capsys):
+    load_script(script).main(["--compile-only", "--seq_len", "255", "--groups", "8", *argv])
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out
+    assert re.search(r"flashattn_bwd\S*: .*wgmma", out)
+    for name in ("flashattn_fwd", "preprocess", "postprocess"):
+        assert name in out
+
+
+# ----------------------------------------------------------------------------- CPU: bad input
+def _bad_inputs(script):
+    """(description, q, k, v, kwargs, expected message fragment) for every rejected input."""
+    q, k, v, _ = make_inputs(1, 16, 16, 4, 2, 128, 128, torch.float16)
+    v192 = make_inputs(1, 16, 16, 4, 2, 192, 128, torch.float16)
+    cases = [
+        ("float32", q.float(), k, v, {}, "float16 or bfloat16"),
+        ("mixed dtypes", q, k.bfloat16(), v, {}, "share a dtype"),
+        ("rank 3", q[0], k, v, {}, "q must be"),
+        ("k/v lengths differ", q, k, v[:, :8], {}, "v must be"),
+        ("k/v heads differ", q, k, v[:, :, :1], {}, "v must be"),
+        ("Dqk mismatch", q, k[..., :64], v, {}, "k must be"),
+        ("head dims 128/64", q, k, v[..., :64], {}, "head dims"),
+        ("head dims 192/192", v192[0], v192[1], v192[0][:, :, :2], {}, "head dims"),
+        ("head dim 48", q[..., :48], k[..., :48], v[..., :48], {}, "head dims"),
+        ("H % Hkv", q[:, :, :3], k, v, {}, "H % Hkv"),
+        ("empty q", q[:, :0], k, v, {}, "at least one token"),
+        ("strided last dim", q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, {}, "last"),
+        ("CPU tensors", q, k, v, {}, "CUDA tensor"),
+    ]
+    if script == GQA_BWD:
+        cases.append(("unknown strategy", q, k, v, {"strategy": "sum"}, "strategy"))
+    return cases
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_input_raises_value_error_naming_argument(script):
+    mod = load_script(script)
+    for what, q, k, v, kwargs, fragment in _bad_inputs(script):
+        with pytest.raises(ValueError, match=fragment):
+            mod.attention(q, k, v, **kwargs)
+            pytest.fail(f"accepted bad input: {what}")
+
+
+# ----------------------------------------------------------------------------- GPU
+# (B, H, Hkv, Sq, Sk, Dqk, Dv, causal, dtype, input scale). Ragged S (17, 255, 1000) exercise the
+# 8-row padding of the dq_layout accumulator and every bounds check; groups 1/2/4/8; Sq < Sk and
+# Sq > Sk (rows with no key) causal; ×10 inputs for large logits. Each row runs for all three
+# variants: dQ of the atomic/split kernels goes through layout-annotated atomics, dK/dV of the
+# atomic kernel and the TMA kernel through regional (vectorized) atomics — a vectorization that
+# ignored a layout would show as a dQ error on every row.
+GPU_CASES = [
+    (1, 8, 8, 17, 17, 64, 64, False, torch.float16, 1),
+    (2, 8, 4, 255, 255, 128, 128, True, torch.bfloat16, 1),
+    (2, 8, 2, 1000, 1000, 64, 64, True, torch.float16, 1),
+    (1, 16, 2, 4096, 4096, 128, 128, True, torch.bfloat16, 1),
+    (2, 8, 1, 255, 1000, 192, 128, True, torch.float16, 1),
+    (1, 8, 2, 1000, 255, 128, 128, True, torch.bfloat16, 1),
+    (3, 4, 2, 1000, 1000, 192, 128, False, torch.bfloat16, 1),
+    (1, 4, 4, 4096, 4096, 64, 64, False, torch.float16, 1),
+    (2, 8, 2, 17, 255, 128, 128, False, torch.float16, 1),
+    (1, 4, 2, 255, 255, 128, 128, True, torch.float16, 10),
+]
+
+
+def _case_id(case):
+    B, H, Hkv, Sq, Sk, Dqk, Dv, causal, dtype, scale = case
+    tag = f"B{B}-H{H}-Hkv{Hkv}-Sq{Sq}-Sk{Sk}-D{Dqk}x{Dv}-{'causal' if causal else 'full'}"
+    return tag + f"-{str(dtype)[6:]}" + (f"-x{scale}" if scale != 1 else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=["atomic", "split", "tma_reduce"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gradients_match_reference(variant, case, poisoned_empty):
+    """out (rel < 1e-2) and dq, dk, dv (rel < 2e-2) against autograd through ref_program in
+    float32 (GUIDE §2); every buffer the kernels fill starts as NaN (poisoned_empty)."""
+    from helpers import rel_err
+
+    script, strategy = variant
+    mod = load_script(script)
+    B, H, Hkv, Sq, Sk, Dqk, Dv, causal, dtype, scale = case
+    q, k, v, dout = make_inputs(B, Sq, Sk, H, Hkv, Dqk, Dv, dtype, "cuda", scale)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = run_attention(mod, strategy, q, k, v, causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref = mod.reference_grads(q, k, v, dout, causal, 1 / math.sqrt(Dqk))
+    errors = {
+        n: rel_err(a, b)
+        for n, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref, strict=True)
+    }
+    assert errors["out"] < 1e-2, errors  # fp16/bf16 forward: GUIDE §2
+    for name in ("dq", "dk", "dv"):
+        assert errors[name] < 2e-2, errors  # fp16/bf16 gradients: GUIDE §2
+    if causal and Sq > Sk:  # rows that see no key: out 0, dq 0 exactly
+        assert torch.all(out[:, : Sq - Sk] == 0) and torch.all(dq[:, : Sq - Sk] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script,argv",
+    [
+        (GQA_BWD, ["--strategy", "atomic", "--causal"]),
+        (GQA_BWD, ["--strategy", "split", "--dim", "192", "--dim_v", "128"]),
+        (TMA_BWD, ["--causal", "--dtype", "bfloat16"]),
+    ],
+)
+def test_main_small(script, argv, capsys):
+    """main() at a small size: the check passes (it raises otherwise) and both reports print."""
+    load_script(script).main(["--batch", "1", "--heads", "8", "--seq_len", "512", *argv])
+    out = capsys.readouterr().out
+    assert "backward B1 H8" in out and "forward+backward B1 H8" in out
+    assert "TFLOP/s" in out
