@@ -108,7 +108,10 @@ def flashattn_fwd(
             first_masked = seq_kv // block_N
             if causal:
                 last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
+                # At least one (fully masked) block even when no row here sees a key (Sq > Sk):
+                # the loop is where the consumers wait for the Q tile's TMA load, and a load
+                # still in flight at exit could land on O_shared.
+                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
                 first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
 
             for k in T.Pipelined(n_blocks, num_stages=num_stages):
@@ -297,6 +300,8 @@ def flashattn_bwd(
                 first_unmasked = T.ceildiv(T.max(0, (by + 1) * block_M - 1 - offset), block_N)
             key_tail = (by + 1) * block_M > seq_kv
 
+            # Never empty (the last query sees every key), so the consumers always wait for
+            # the K/V tiles' TMA loads inside the loop.
             for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
                 T.copy(Q[bz, k * block_N : (k + 1) * block_N, bx, :], Q_shared)
                 T.gemm(
