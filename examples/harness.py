@@ -237,3 +237,22 @@ def sdpa_backward_peers(q, k, v, dout, causal: bool, softmax_scale: float, layou
             continue
         bwd[name] = lambda o=out: torch.autograd.grad(o, leaves, dout_h, retain_graph=True)
     return fwd_bwd, bwd
+
+
+# ----------------------------------------------------------------------------- SM100 inspection
+def dynamic_smem_bytes(kernel) -> int:
+    """Dynamic shared memory (bytes) a compiled TileLang kernel is launched with.
+
+    TileLang's generated host code passes it as the last integer launch argument before the
+    kernel call (after grid and block sizes); read it from there.
+    """
+    import re
+
+    host = kernel.get_host_source()
+    call = re.search(r"\w*_kernel\w*_packed == NULL", host)  # the kernel launch, not set_device
+    if call is None:
+        raise ValueError("no kernel launch found in the host source")
+    sizes = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);", host[: call.start()])
+    if not sizes:
+        raise ValueError("no launch arguments found in the host source")
+    return int(sizes[-1])
