@@ -585,7 +585,8 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
     peers_fwd_bwd, peers_bwd = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
     fwd = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal)
     bwd_flops = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal, True)
-    shape = f"B{batch} H{heads} Sq{seq_q} Sk{seq_k} D{dim} causal={causal} {dtype}"
+    shape = f"B{batch} H{heads} Sq{seq_q} Sk{seq_k} D{dim} causal={causal}"
+    shape += " " + str(dtype).removeprefix("torch.")
     return {
         "fwd+bwd": harness.report(
             f"forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd + bwd_flops
@@ -610,6 +611,10 @@ def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=Non
         name: harness.compile_for(fn, arch, batch, heads, seq_q, *args, **kw).get_kernel_source()
         for name, (fn, args, kw) in kernels.items()
     }
+
+
+def _config_name(cfg):
+    return f"{cfg['block_M']}x{cfg['block_N']}/{cfg['num_stages']}st/{cfg['threads']}t"
 
 
 def main(argv=None):
@@ -643,10 +648,6 @@ def main(argv=None):
         check(B, H, Sq, Sk, D, args.causal, dtype, config)
     if args.bench and not args.tune:
         benchmark(B, H, Sq, Sk, D, args.causal, dtype, {"tilelang": config})
-
-
-def _config_name(cfg):
-    return f"{cfg['block_M']}x{cfg['block_N']}/{cfg['num_stages']}st/{cfg['threads']}t"
 
 
 if __name__ == "__main__":
