@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 
 import torch
@@ -141,9 +142,10 @@ def sdpa_peers(q, k, v, causal: bool, softmax_scale: float, layout: str = "bshd"
     def sdpa(backend):
         def run():
             with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(
+                out = torch.nn.functional.scaled_dot_product_attention(
                     qh, kh, vh, is_causal=causal, scale=softmax_scale, enable_gqa=gqa
                 )
+            return to_bhsd(out)  # back to the caller's layout (a transpose is its own inverse)
 
         return run
 
@@ -166,22 +168,35 @@ def fa3_forward():
     return flash_attn_func
 
 
-def report(title: str, ours: dict, peers: dict, flops: float) -> list[dict]:
-    """Time ours and every peer in this one run; print ms, TFLOP/s and ratio to the best peer."""
-    rows = []
-    for name, fn in {**ours, **peers}.items():
-        try:
-            ms = bench_ms(fn)
-        except Exception as err:  # a peer without a kernel for this shape is reported, not fatal
-            print(f"  {name:<26} unavailable: {type(err).__name__}: {str(err).splitlines()[0]}")
-            continue
-        rows.append({"impl": name, "ms": ms, "tflops": flops / ms * 1e-9, "ours": name in ours})
+def report(title: str, ours: dict, peers: dict, flops: float, rounds: int = 3) -> list[dict]:
+    """Time ours and every peer in this one run; print ms, TFLOP/s and ratio to the best peer.
+
+    The implementations take turns for ``rounds`` rounds and each keeps its median, so a clock
+    or thermal drift during the run does not favour whichever went first.
+    """
+    fns = {**ours, **peers}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if times[name] is None:
+                continue
+            try:
+                times[name].append(bench_ms(fn))
+            except Exception as err:  # a peer without a kernel for this shape: say so, go on
+                print(f"  {name:<26} unavailable: {type(err).__name__}: {str(err).splitlines()[0]}")
+                times[name] = None
+    rows = [
+        {"impl": name, "ms": statistics.median(t), "ours": name in ours}
+        for name, t in times.items()
+        if t
+    ]
+    for r in rows:
+        r["tflops"] = flops / r["ms"] * 1e-9
     best_peer = max((r["tflops"] for r in rows if not r["ours"]), default=math.nan)
     print(f"{title}  ({torch.cuda.get_device_name()})")
     for r in rows:
-        ratio = r["tflops"] / best_peer if not math.isnan(best_peer) else math.nan
-        r["ratio_to_best_peer"] = ratio
-        tag = f"{ratio:5.2f}x best peer" if r["ours"] else ""
+        r["ratio_to_best_peer"] = r["tflops"] / best_peer
+        tag = f"{r['ratio_to_best_peer']:5.2f}x best peer" if r["ours"] else ""
         print(f"  {r['impl']:<26} {r['ms']:8.3f} ms {r['tflops']:8.1f} TFLOP/s  {tag}")
     return rows
 

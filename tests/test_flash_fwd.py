@@ -276,3 +276,15 @@ def test_main_small(script, extra, capsys):
     load_script(script).main(argv)
     out = capsys.readouterr().out
     assert "out " in out and "lse " in out and "tilelang" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_empty_sequences(script):
+    """Sk = 0: every row is empty (out 0, lse +inf); Sq = 0: empty output, no launch."""
+    mod = load_script(script)
+    q, k, v = make_inputs(script, 2, 5, 0, 4, 2 if script == GQA else 4, 64, torch.float16, "cuda")
+    out, lse = mod.attention(q, k, v, return_lse=True)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+    q, k, v = make_inputs(script, 2, 0, 7, 4, 2 if script == GQA else 4, 64, torch.float16, "cuda")
+    assert mod.attention(q, k, v).shape == q.shape

@@ -65,6 +65,9 @@ def flashattn_fwd(
         lse: T.Tensor([batch, heads, seq_q], accum_dtype),
     ):
         with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
+            # Causal: query blocks near the end see the most keys. Launch them first, so the
+            # short blocks fill the tail of the grid instead of leaving SMs idle.
+            m_blk = T.ceildiv(seq_q, block_M) - 1 - bx if causal else bx
             Q_shared = T.alloc_shared([block_M, dim], dtype)
             K_shared = T.alloc_shared([block_N, dim], dtype)
             V_shared = T.alloc_shared([block_N, dim], dtype)
@@ -79,7 +82,7 @@ def flashattn_fwd(
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
             # Rows past Sq read as zeros (TMA fills out-of-bounds) and are never stored.
-            T.copy(Q[bz, bx * block_M : (bx + 1) * block_M, by, :], Q_shared)
+            T.copy(Q[bz, m_blk * block_M : (m_blk + 1) * block_M, by, :], Q_shared)
             T.fill(acc_o, 0)
             T.fill(logsum, 0)
             T.fill(scores_max, neg_inf)
@@ -90,9 +93,13 @@ def flashattn_fwd(
             n_blocks = T.ceildiv(seq_kv, block_N)
             first_masked = seq_kv // block_N
             if causal:
-                last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
-                first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
+                last_key = (m_blk + 1) * block_M + offset  # one past the last key this block sees
+                # At least one (fully masked) block even when no row of this block sees a key
+                # (Sq > Sk): the loop is where the consumers wait for the Q tile's TMA load, and
+                # a load still in flight at exit could land on O_shared, which may share Q's
+                # shared memory.
+                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
+                first_masked = T.min(first_masked, T.max(0, (m_blk * block_M + offset) // block_N))
 
             for k in T.Pipelined(n_blocks, num_stages=num_stages):
                 T.copy(K[bz, k * block_N : (k + 1) * block_N, by, :], K_shared)
@@ -109,7 +116,7 @@ def flashattn_fwd(
                         key = k * block_N + j
                         visible = key < seq_kv
                         if causal:
-                            visible = visible and key <= bx * block_M + i + offset
+                            visible = visible and key <= m_blk * block_M + i + offset
                         acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
 
                 # Online softmax: new row max, rescale what was accumulated under the old one.
@@ -136,10 +143,10 @@ def flashattn_fwd(
             for i, j in T.Parallel(block_M, dim):
                 acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
             T.copy(acc_o, O_shared)
-            T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
+            T.copy(O_shared, Output[bz, m_blk * block_M : (m_blk + 1) * block_M, by, :])
             for i in T.Parallel(block_M):
-                if bx * block_M + i < seq_q:
-                    lse[bz, by, bx * block_M + i] = T.if_then_else(
+                if m_blk * block_M + i < seq_q:
+                    lse[bz, by, m_blk * block_M + i] = T.if_then_else(
                         logsum[i] > 0,
                         (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
                         T.infinity(accum_dtype),
@@ -236,10 +243,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, confi
     q, k, v = (t.contiguous() for t in (q, k, v))
     cfg = config or default_config(D, causal, device_arch(q.device))
     dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-    kernel = flashattn_fwd(B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sq > 0:
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        kernel = flashattn_fwd(B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg)
         kernel(q, k, v, out, lse)
     return (out, lse) if return_lse else out
 
