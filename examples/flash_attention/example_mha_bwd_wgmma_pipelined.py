@@ -20,9 +20,15 @@ What stays synchronous, and why: the GEMMs that read a pipelined Q or dO stage f
 its last reader is *issued*; were that reader asynchronous, the TMA load of the step after next
 could overwrite the stage while the WGMMA still reads it.
 
-What it buys, measured: MEASURED-FIGURE-PLACEHOLDER (the lead fills this in after the H100 run:
-backward TFLOP/s of this script against example_mha_bwd_bshd.py with the same tiles, and both
-against SDPA FLASH (FA2) and cuDNN, B4 H32 S4096 D128 fp16).
+What it buys, measured (H100 80GB HBM3, 2026-11-22, backward alone, B4 S4096 fp16, the same
+128×64 tiles, two rounds, medians): nothing measurable yet. D128: 386 TFLOP/s here against 389
+for example_mha_bwd_bshd.py (causal 346 against 340); D64: 339 against 341 (causal 298 against
+304) — differences inside the run-to-run noise of ~2%. Both beat SDPA FLASH (FA2: 302, causal
+282) and trail cuDNN (483, causal 439). The overlap it sets up is real in the generated code
+(``wait_wgmma<1>``); our reading is that with two consumer warpgroups the other warpgroup
+already keeps the tensor cores busy while one computes its exponentials. At the smaller 128×32
+step it was ahead by 2.5% (316 against 308 TFLOP/s), about the size of the noise. Kept as the
+lesson in how asynchronous WGMMA is written in TileLang, not as the faster kernel.
 
 Head dims 64 and 128; fp16 and bf16; any Sq, Sk (an empty
 sequence launches nothing); causal aligned bottom-right (query ``i``
@@ -369,16 +375,14 @@ def default_config(dim, causal, arch="sm_90a"):
 
     Hopper: 256 threads are two consumer warpgroups of 64 keys each (TileLang adds a producer
     warpgroup for the TMA loads), and two stages let the next Q/dO tile load while this one is
-    used. dK and dV (block_M × dim float32 each) live in registers for the whole loop, so D=128
-    keeps the query step short (32); D=64 has room for 64. Not yet measured here: the H100
-    figures behind this choice are upstream TileLang's (128×32, 256 threads, 2 stages at D=128).
-    ``causal`` does not change the choice today (kept in the signature on purpose).
+    used. Measured on an H100 (2026-11-22, B4 S4096 fp16, all of ``tune_configs``): 128 keys ×
+    64 queries was fastest at D=64 and D=128, causal or not — 389 TFLOP/s at D128 against 306
+    for 128×32 (upstream's choice) and 274 for 64×64 — so ``causal`` does not change the choice
+    today (kept in the signature on purpose). Other archs get a conservative mma.sync config.
     """
     del causal
     if arch.startswith("sm_90"):
-        if dim <= 64:
-            return dict(block_M=128, block_N=64, num_stages=2, threads=256)
-        return dict(block_M=128, block_N=32, num_stages=2, threads=256)
+        return dict(block_M=128, block_N=64, num_stages=2, threads=256)
     return dict(block_M=64, block_N=32, num_stages=1, threads=128)
 
 
