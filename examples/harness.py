@@ -271,3 +271,40 @@ def dynamic_smem_bytes(kernel) -> int:
     if not sizes:
         raise ValueError("no launch arguments found in the host source")
     return int(sizes[-1])
+
+
+# ----------------------------------------------------------------------------- varlen scripts
+def fa3_varlen_forward():
+    """FlashAttention-3's ``flash_attn_varlen_func`` when importable and shaped like FA3's
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, ...);
+    None otherwise, so callers skip it cleanly."""
+    import inspect
+
+    try:
+        from fa3_fwd_interface import flash_attn_varlen_func
+    except ImportError:
+        return None
+    try:
+        params = inspect.signature(flash_attn_varlen_func).parameters
+    except (TypeError, ValueError):
+        return None
+    expected = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    if list(params)[: len(expected)] != expected or not {"softmax_scale", "causal"} <= set(params):
+        print("fa3_fwd_interface.flash_attn_varlen_func has an unexpected signature: skipped")
+        return None
+    return flash_attn_varlen_func
+
+
+def varlen_flops(cu_seqlens_q, cu_seqlens_k, heads, dim_qk, dim_v, causal, backward=False):
+    """GUIDE §3 for a packed batch: ``attention_flops`` summed over the sequences."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lengths = zip(
+        (b - a for a, b in zip(bounds_q[:-1], bounds_q[1:], strict=True)),
+        (b - a for a, b in zip(bounds_k[:-1], bounds_k[1:], strict=True)),
+        strict=True,
+    )
+    return sum(
+        attention_flops(1, heads, lq, lk, dim_qk, dim_v, causal, backward)
+        for lq, lk in lengths
+        if lq > 0 and lk > 0
+    )
