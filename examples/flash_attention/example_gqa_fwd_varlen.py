@@ -1,0 +1,572 @@
+"""FlashAttention forward, grouped-query attention (GQA), variable-length (packed) batches, SM90.
+
+Real batches are ragged. Instead of padding every sequence to the longest one, the varlen layout
+packs the valid tokens of all sequences back to back (``bert_padding.unpad_input`` builds it from
+a padded batch and its attention mask):
+
+    q [total_q, H, D]    k, v [total_k, Hkv, D]    cu_seqlens_q, cu_seqlens_k: int32 [B + 1]
+
+Each group of ``H / Hkv`` consecutive query heads shares one key/value head (query head ``h``
+reads kv head ``h // groups``; ``Hkv = H`` is plain MHA, ``Hkv = 1`` is multi-query).
+
+Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key rows
+``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; its queries attend to its own keys only. Query and key
+lengths may differ per sequence. ``max_seqlen_q`` (a Python int, at least the longest query
+sequence) sizes the launch grid; ``max_seqlen_k`` is taken for FlashAttention compatibility.
+
+The kernel is the dense forward of example_gqa_fwd_bshd.py (online softmax over ``block_N`` keys
+at a time, TMA loads, WGMMA GEMMs, warp specialization) with three changes:
+
+- the grid is ``(ceil(max_seqlen_q / block_M), H, B)``; each block reads its sequence's start and
+  length from ``cu_seqlens`` and exits at once when its query block lies past the sequence end,
+  so a batch of short sequences costs no more than its tokens;
+- the Q/K/V tiles are TMA loads at a per-sequence row offset into the packed tensors. A tile that
+  runs past the end of its sequence reads the next sequence's rows (or zeros past the tensor):
+  keys past ``seq_len_k`` are masked to -inf before the softmax and query rows past
+  ``seq_len_q`` are never stored, so no other sequence leaks in;
+- the output is written row by row under a guard (a TMA store would overwrite the next
+  sequence's rows), and ``lse`` is ``[H, total_q]`` as in FlashAttention's varlen API.
+
+``total_q``, ``total_k`` and ``B`` are TileLang dynamic dimensions (``T.dynamic``) and
+``max_seqlen_q`` a scalar argument, so one compiled kernel serves every batch: only the head
+count, head dim, dtype, causal flag, scale and tiles pick a kernel.
+
+Causal masking is aligned bottom-right per sequence (as FlashAttention ≥ 2.1): query ``i`` of a
+sequence sees its key ``j`` when ``j <= i + seq_len_k - seq_len_q``. A query row that sees no key
+(or whose sequence has no keys) gives ``out = 0`` and ``lse = +inf``, never NaN.
+
+Run:
+    python examples/flash_attention/example_gqa_fwd_varlen.py --groups 8 --causal
+    python examples/flash_attention/example_gqa_fwd_varlen.py --compile-only --arch sm_90a  # no GPU
+"""
+
+import math
+import operator
+import pathlib
+import sys
+
+import einops
+import tilelang
+import tilelang.language as T
+import torch
+
+LOG2E = 1.4426950408889634
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+HEAD_DIMS = (64, 128)
+
+
+# ----------------------------------------------------------------------------- kernel
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd_varlen(
+    heads,
+    heads_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=128,
+    num_stages=1,
+    threads=256,
+):
+    groups = heads // heads_kv
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
+    neg_inf = -T.infinity(accum_dtype)
+    # Sizes that change from batch to batch are dynamic: no recompilation for a new batch.
+    total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([total_q, heads, dim], dtype),
+        K: T.Tensor([total_k, heads_kv, dim], dtype),
+        V: T.Tensor([total_k, heads_kv, dim], dtype),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        cu_seqlens_k: T.Tensor([batch + 1], "int32"),
+        max_seqlen_q: T.int32,
+        Output: T.Tensor([total_q, heads, dim], dtype),
+        lse: T.Tensor([heads, total_q], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(max_seqlen_q, block_M), heads, batch, threads=threads) as (
+            bx,
+            by,
+            bz,
+        ):
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([block_N, dim], dtype)
+            V_shared = T.alloc_shared([block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
+            scores_max = T.alloc_fragment([block_M], accum_dtype)
+            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
+            scores_scale = T.alloc_fragment([block_M], accum_dtype)
+            scores_sum = T.alloc_fragment([block_M], accum_dtype)
+            logsum = T.alloc_fragment([block_M], accum_dtype)
+
+            q_start = cu_seqlens_q[bz]
+            k_start = cu_seqlens_k[bz]
+            seq_len_q = cu_seqlens_q[bz + 1] - q_start
+            seq_len_k = cu_seqlens_k[bz + 1] - k_start
+            offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
+
+            # The grid is sized for the longest sequence: blocks past this one's end leave at
+            # once, before any load is issued (so none can still be in flight at exit).
+            if bx * block_M < seq_len_q:
+                # Causal: the last query blocks of a sequence see the most keys. Launch them
+                # first, so the short blocks fill the tail of the grid.
+                m_blk = T.ceildiv(seq_len_q, block_M) - 1 - bx if causal else bx
+                row0 = m_blk * block_M  # first query row of this block, within the sequence
+
+                # Rows past the sequence end belong to the next sequence (or read as zeros past
+                # total_q): they are computed and thrown away, never stored.
+                T.copy(Q[q_start + row0 : q_start + row0 + block_M, by, :], Q_shared)
+                T.fill(acc_o, 0)
+                T.fill(logsum, 0)
+                T.fill(scores_max, neg_inf)
+
+                # Key blocks this query block must visit, and the first one that needs a mask:
+                # the ragged tail block (seq_len_k % block_N) and, when causal, the blocks that
+                # cross the diagonal. Every block before it is used unmasked.
+                n_blocks = T.ceildiv(seq_len_k, block_N)
+                first_masked = seq_len_k // block_N
+                if causal:
+                    last_key = row0 + block_M + offset  # one past the last key this block sees
+                    n_blocks = T.min(n_blocks, T.ceildiv(last_key, block_N))
+                    first_masked = T.min(first_masked, T.max(0, (row0 + offset) // block_N))
+                # At least one (fully masked) block even when no row here sees a key (an empty
+                # key sequence, or causal rows before the diagonal): the loop is where the
+                # consumers wait for the Q tile's TMA load, and a load still in flight at exit
+                # could land in shared memory another block already owns.
+                n_blocks = T.max(1, n_blocks)
+
+                for k in T.Pipelined(n_blocks, num_stages=num_stages):
+                    kv0 = k_start + k * block_N
+                    T.copy(K[kv0 : kv0 + block_N, by // groups, :], K_shared)
+                    T.gemm(
+                        Q_shared,
+                        K_shared,
+                        acc_s,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=T.GemmWarpPolicy.FullRow,
+                    )
+                    if k >= first_masked:
+                        # Keys past seq_len_k are the next sequence's: never let them in.
+                        for i, j in T.Parallel(block_M, block_N):
+                            key = k * block_N + j
+                            visible = key < seq_len_k
+                            if causal:
+                                visible = visible and key <= row0 + i + offset
+                            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+                    # Online softmax: new row max, rescale what was accumulated under the old.
+                    T.copy(scores_max, scores_max_prev)
+                    T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+                    for i in T.Parallel(block_M):
+                        # A row that has seen no visible key yet keeps max = -inf; using 0
+                        # instead makes exp2 give 0 rather than NaN (-inf - -inf).
+                        scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+                        scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+                    T.reduce_sum(acc_s, scores_sum, dim=1)
+                    for i in T.Parallel(block_M):
+                        logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                    T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of the second GEMM
+                    for i, j in T.Parallel(block_M, dim):
+                        acc_o[i, j] *= scores_scale[i]
+
+                    T.copy(V[kv0 : kv0 + block_N, by // groups, :], V_shared)
+                    T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+                # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+                # Through shared memory for wide, coalesced stores; only this sequence's rows.
+                T.copy(acc_o, O_shared)
+                for i, j in T.Parallel(block_M, dim):
+                    if row0 + i < seq_len_q:
+                        Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                for i in T.Parallel(block_M):
+                    if row0 + i < seq_len_q:
+                        lse[by, q_start + row0 + i] = T.if_then_else(
+                            logsum[i] > 0,
+                            (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                            T.infinity(accum_dtype),
+                        )
+
+    return main
+
+
+def default_config(dim, causal, arch="sm_90a"):
+    """Tile configuration: the dense forward's (example_gqa_fwd_bshd.py, measured on an H100).
+
+    Hopper: TileLang adds one producer warpgroup to ``threads``, so 256 threads = two consumer
+    warpgroups of 64 query rows each; D=64 has registers for a third (block_M=192). Ragged
+    batches waste at most one partial query block per sequence, so the dense tiles carry over;
+    ``--tune`` compares the alternatives on a real batch. Other archs get a mma.sync config.
+    """
+    del causal  # the dense measurements found no effect on the best tiles
+    if arch.startswith("sm_90"):
+        if dim <= 64:
+            return dict(block_M=192, block_N=128, num_stages=2, threads=384)
+        return dict(block_M=128, block_N=128, num_stages=1, threads=256)
+    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+
+
+def tune_configs(dim):
+    """The space ``--tune`` searches: 64 query rows per consumer warpgroup."""
+    del dim
+    return [
+        dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
+        for bm, th in ((128, 256), (192, 384))
+        for bn in (64, 128)
+        for st in (1, 2)
+    ]
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def device_arch(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def _check_cu_seqlens(name, cu, total, ref_device):
+    """int32, 1-D, on q's device, 0 first, non-decreasing, last = token count. Returns the
+    per-sequence lengths (one device→host copy: the values must be seen to be checked)."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got {tuple(cu.shape)}")
+    if cu.device != ref_device:
+        raise ValueError(f"{name} must be on the same device as q ({ref_device}), got {cu.device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(
+            f"{name} must end at the token count {total} (the first dim of the packed "
+            f"tensor), got {values[-1]}"
+        )
+    return lengths
+
+
+def _check_max_seqlen(name, value, lengths):
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+    if isinstance(value, bool) or size < max(lengths):
+        raise ValueError(
+            f"{name} ({value!r}) must be at least the longest sequence, {max(lengths)}"
+        )
+    return size
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [total_tokens, heads, dim], got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    _, H, D = q.shape
+    if k.shape[2] != D:
+        raise ValueError(f"k must be [total_k, heads_kv, {D}] to match q, got {tuple(k.shape)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v must be on the same device")
+    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{len(lengths_q) + 1} and {len(lengths_k) + 1}"
+        )
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal=False,
+    softmax_scale=None,
+    return_lse=False,
+    config=None,
+):
+    """Varlen GQA forward (FlashAttention's ``flash_attn_varlen_func`` conventions).
+
+    ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]`` (fp16/bf16, CUDA), ``cu_seqlens_q/k`` int32
+    ``[B + 1]`` on the same device, ``max_seqlen_q/k`` Python ints. Returns ``out [total_q, H,
+    D]``, and ``lse [H, total_q]`` (float32, natural log) when ``return_lse``. ``config``
+    overrides the tile configuration (see ``default_config``). The inputs are validated, which
+    reads ``cu_seqlens`` back to the host once per call.
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    H, D = q.shape[1:]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    cfg = config or default_config(D, causal, device_arch(q.device))
+    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+    out = torch.empty_like(q)
+    lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
+    if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif q.shape[0] > 0:
+        Hkv = k.shape[1]
+        kernel = flashattn_fwd_varlen(H, Hkv, D, bool(causal), float(softmax_scale), dtype, **cfg)
+        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), out, lse)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- references
+def _dense_reference(q, k, v, causal, scale):
+    """One sequence, ``q [Sq, H, D]``, ``k, v [Sk, Hkv, D]`` → out, lse ``[H, Sq]``."""
+    groups = q.shape[1] // k.shape[1]
+    # Each kv head serves `groups` consecutive query heads.
+    k, v = (einops.repeat(t, "s h d -> s (h g) d", g=groups) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        Sq, Sk = q.shape[0], k.shape[0]
+        rows = torch.arange(Sq, device=q.device)[:, None]
+        cols = torch.arange(Sk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (Sk - Sq), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # Rows that see no key: probabilities 0, output 0, lse +inf (FlashAttention's convention).
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return out, lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+def ref_program(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal=False,
+    softmax_scale=None,
+    return_lse=False,
+):
+    """Plain PyTorch in float32 (float64 stays float64; runs on CPU), same signature and
+    conventions as ``attention_varlen``: one dense attention per sequence, so memory stays
+    bounded by the longest sequence."""
+    del max_seqlen_q, max_seqlen_k  # only the kernel's grid needs them
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=acc, device=q.device)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        (q0, q1), (k0, k1) = bounds_q[b : b + 2], bounds_k[b : b + 2]
+        if q1 == q0 or k1 == k0:
+            continue  # no queries, or no keys: out 0, lse +inf
+        out[q0:q1], lse[:, q0:q1] = _dense_reference(
+            q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc), causal, scale
+        )
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def ref_padded(q, k, v, query_mask, key_mask, causal=False, softmax_scale=None):
+    """Dense attention on a padded batch under its masks, the way a padded model computes it:
+    ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]``, masks ``[B, S]`` marking each sequence's valid
+    tokens as a prefix. Padded keys are masked out; padded query rows give 0. Float32, one
+    batch entry at a time so memory stays bounded."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    rows = torch.arange(q.shape[1], device=q.device)[:, None]
+    cols = torch.arange(k.shape[1], device=q.device)[None, :]
+    groups = q.shape[2] // k.shape[2]
+    outs = []
+    for b in range(q.shape[0]):
+        kb, vb = (einops.repeat(t[b].to(acc), "s h d -> s (h g) d", g=groups) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[b].to(acc), kb) * scale
+        visible = key_mask[b].bool()[None, :].expand(q.shape[1], -1)
+        if causal:  # bottom-right within this sequence's own lengths
+            diagonal = key_mask[b].sum() - query_mask[b].sum()
+            visible = visible & (cols <= rows + diagonal)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        seen = visible.any(dim=-1, keepdim=True)  # rows that see no key give 0, not NaN
+        probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vb))
+    out = torch.stack(outs) * query_mask[:, :, None, None]
+    return out.to(q.dtype)
+
+
+def tune(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
+    """Run TileLang's autotuner over ``tune_configs`` on this batch; return the best config."""
+    from tilelang.autotuner import AutoTuner
+
+    H, D = q.shape[1:]
+    Hkv = k.shape[1]
+    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+    out = torch.empty_like(q)
+    lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
+
+    def program(block_M, block_N, num_stages, threads):
+        cfg = dict(block_M=block_M, block_N=block_N, num_stages=num_stages, threads=threads)
+        return flashattn_fwd_varlen.get_tir(H, Hkv, D, causal, softmax_scale, dtype, **cfg)
+
+    tuner = AutoTuner.from_kernel(kernel=program, configs=tune_configs(D))
+    tuner.set_compile_args(pass_configs=PASS_CONFIGS)
+    # Correctness of the winner is checked by main's own check, against the references.
+    args = [q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse]
+    tuner.set_profile_args(supply_prog=lambda _: args, skip_check=True)
+    result = tuner.run(warmup=10, rep=50)
+    print(f"tuned: {result.config} at {result.latency:.3f} ms")
+    return result.config
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def _bert_padding():
+    """bert_padding.py at the repository root: padded batch + mask <-> packed tokens."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    import bert_padding
+
+    return bert_padding
+
+
+def build_parser():
+    parser = _harness().base_parser(__doc__.splitlines()[0], seq_len=2048)
+    parser.set_defaults(batch=8)
+    parser.add_argument("--groups", type=int, default=4, help="query heads per kv head")
+    parser.description += (
+        ". Sequence lengths are drawn at random from 1..--seq_len (keys: 1..--seq_len_k, or the "
+        "query lengths when it is not given); the batch holds a sequence of length 1 and one of "
+        "the maximum."
+    )
+    return parser
+
+
+def random_lengths(batch, max_len, generator):
+    """Random lengths in 1..max_len, with 1 and max_len both present when batch >= 2."""
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator)
+    if batch >= 2:
+        lengths[0], lengths[-1] = 1, max_len
+    return lengths
+
+
+def padded_batch(batch, max_q, max_k, heads, heads_kv, dim, dtype, distinct_k, seed=0):
+    """A padded batch with random lengths: q/k/v ``[B, S, H, D]`` (normal values, zeros in the
+    padding) and their masks ``[B, S]`` (valid tokens first)."""
+    g = torch.Generator().manual_seed(seed)
+    len_q = random_lengths(batch, max_q, g)
+    len_k = random_lengths(batch, max_k, g) if distinct_k else len_q
+    mask_q = torch.arange(max_q)[None, :] < len_q[:, None]
+    mask_k = torch.arange(max_k)[None, :] < len_k[:, None]
+    q = torch.randn(batch, max_q, heads, dim, generator=g) * mask_q[..., None, None]
+    k = torch.randn(batch, max_k, heads_kv, dim, generator=g) * mask_k[..., None, None]
+    v = torch.randn(batch, max_k, heads_kv, dim, generator=g) * mask_k[..., None, None]
+    return [t.to("cuda", dtype) for t in (q, k, v)], mask_q.cuda(), mask_k.cuda()
+
+
+def main(argv=None):
+    harness = _harness()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.groups < 1 or args.heads % args.groups != 0:
+        parser.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
+    B, H, D = args.batch, args.heads, args.dim
+    Hkv = H // args.groups
+    Sq = args.seq_len
+    Sk = args.seq_len_k or Sq
+    scale = 1.0 / math.sqrt(D)
+    script = pathlib.Path(__file__).name
+
+    if args.compile_only:
+        cfg = default_config(D, args.causal, args.arch)
+        kernel = harness.compile_for(
+            flashattn_fwd_varlen, args.arch, H, Hkv, D, args.causal, scale, args.dtype, **cfg
+        )
+        print(f"{script}: built for {args.arch} with {cfg} (total_q, total_k, batch dynamic)")
+        print(harness.describe_source("flashattn_fwd_varlen", kernel.get_kernel_source()))
+        return
+
+    harness.require_gpu(script)
+    bp = _bert_padding()
+    dtype = harness.DTYPES[args.dtype]
+    (q_pad, k_pad, v_pad), mask_q, mask_k = padded_batch(
+        B, Sq, Sk, H, Hkv, D, dtype, distinct_k=args.seq_len_k is not None
+    )
+    # Padded batch + mask → packed tokens, cu_seqlens and max_seqlen.
+    q, indices_q, cu_seqlens_q, max_seqlen_q, _ = bp.unpad_input(q_pad, mask_q)
+    k, _, cu_seqlens_k, max_seqlen_k, _ = bp.unpad_input(k_pad, mask_k)
+    v = bp.unpad_input(v_pad, mask_k)[0]
+    varlen = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    print(f"B{B} H{H} Hkv{Hkv} D{D} causal={args.causal} {args.dtype}: {q.shape[0]} query tokens")
+    print(f"  query lengths {lengths}")
+
+    config = None
+    if args.tune:
+        config = tune(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, args.causal, scale)
+
+    if args.check:
+        out, lse = attention_varlen(*varlen, args.causal, scale, return_lse=True, config=config)
+        # Packed → padded again, compared with dense attention on the padded batch.
+        out_pad = bp.pad_input(out, indices_q, B, Sq)
+        ref = ref_padded(q_pad, k_pad, v_pad, mask_q, mask_k, args.causal, scale)
+        _, ref_lse = ref_program(*varlen, args.causal, scale, return_lse=True)
+        harness.check_close("out", out_pad, ref, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
+
+    if args.bench:
+        flops = harness.varlen_flops(cu_seqlens_q, cu_seqlens_k, H, D, D, args.causal)
+        ours = {
+            "tilelang varlen": lambda: attention_varlen(*varlen, args.causal, scale, config=config)
+        }
+        peers = {}
+        fa3 = harness.fa3_varlen_forward()
+        if fa3 is not None and dtype == torch.bfloat16:
+            peers["fa3 varlen"] = lambda: fa3(*varlen, softmax_scale=scale, causal=args.causal)
+        title = (
+            f"varlen forward B{B} H{H} Hkv{Hkv} max {Sq}/{Sk} D{D} causal={args.causal} "
+            f"{args.dtype}"
+        )
+        harness.report(title, ours, peers, flops)
+
+
+if __name__ == "__main__":
+    main()
