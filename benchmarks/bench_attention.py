@@ -2,13 +2,16 @@
 
 Shapes: S in {1024, ..., 16384} at 16k tokens per batch (B = 16384 / S), H = 32 for D = 128 and
 H = 64 for D = 64, causal and not, fp16 and bf16. Peers on the same inputs: SDPA FLASH (FA2),
-SDPA cuDNN and, for bf16 forward, FlashAttention-3. Each row's output is checked against cuDNN's
-before it is timed, so a fast wrong kernel cannot make the table.
+SDPA cuDNN and, for bf16 forward, FlashAttention-3. Forward: example_mha_fwd_bshd.py; backward
+(the backward pass alone, 2.5× the forward FLOPs): example_mha_bwd_bshd.py. Each of our rows is
+checked against cuDNN's output (or gradients) before it is timed, so a fast wrong kernel cannot
+make the table.
 
-Writes ``<out>/fwd.json`` (one record per implementation and shape), ``<out>/fwd.md`` (the table
-the README shows) and ``<out>/fwd.png`` (TFLOP/s against S, one line per implementation).
+Writes ``<out>/<mode>.json`` (one record per implementation and shape), ``<out>/<mode>.md`` (the
+table the README shows) and ``<out>/<mode>.png`` (TFLOP/s against S, one line per
+implementation), for mode fwd and bwd.
 
-    python benchmarks/bench_attention.py --out benchmarks/results
+    python benchmarks/bench_attention.py --out benchmarks/results --modes fwd bwd
 """
 
 import argparse
@@ -46,23 +49,30 @@ def sweep(dims, dtypes, seqlens):
     ]
 
 
-def prebuild(mha, shapes):
+def prebuild(build, shapes):
     """Compile every kernel of the sweep up front, in parallel (nvcc runs outside the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def build(shape):
-        B, H, S, D, causal, dtype = shape
-        cfg = mha.default_config(D, causal, mha.device_arch("cuda"))
-        return mha.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
-
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(build, shapes))
+        list(pool.map(lambda shape: build(*shape), shapes))
+
+
+def build_forward(mha, B, H, S, D, causal, dtype):
+    cfg = mha.default_config(D, causal, mha.device_arch("cuda"))
+    mha.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
+
+
+def build_backward(bwd, B, H, S, D, causal, dtype):
+    arch = bwd.device_arch("cuda")
+    bwd.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **bwd.forward_config(D, arch))
+    cfg = bwd.default_config(D, causal, arch)
+    bwd.flashattn_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
 
 
 def forward_rows(dims, dtypes, seqlens):
     mha = load("examples/flash_attention/example_mha_fwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
-    prebuild(mha, shapes)
+    prebuild(lambda *shape: build_forward(mha, *shape), shapes)
     return [row for shape in shapes for row in forward_shape(mha, *shape)]
 
 
@@ -80,6 +90,33 @@ def forward_shape(mha, B, H, S, D, causal, dtype_name):
     shape = {"mode": "fwd", "B": B, "H": H, "S": S, "D": D, "causal": causal, "dtype": dtype_name}
     return [
         {**r, **shape, "rel_err_vs_cudnn": rel if r["ours"] else None}
+        for r in harness.report(title, ours, peers, flops)
+    ]
+
+
+def backward_rows(dims, dtypes, seqlens):
+    bwd = load("examples/flash_attention/example_mha_bwd_bshd.py")
+    shapes = sweep(dims, dtypes, seqlens)
+    prebuild(lambda *shape: build_backward(bwd, *shape), shapes)
+    return [row for shape in shapes for row in backward_shape(bwd, *shape)]
+
+
+def backward_shape(bwd, B, H, S, D, causal, dtype_name):
+    torch.manual_seed(0)
+    dtype = harness.DTYPES[dtype_name]
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
+    scale = D**-0.5
+    out, lse = bwd.attention_forward(q, k, v, causal, scale)
+    _, peers = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
+    grads = bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)
+    ref = peers["sdpa_cudnn"]()
+    rels = [harness.check_close(n, g, r, 2e-2) for n, g, r in zip("qkv", grads, ref, strict=True)]
+    ours = {"tilelang": lambda: bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)}
+    flops = harness.attention_flops(B, H, S, S, D, D, causal, backward=True)
+    title = f"bwd B{B} H{H} S{S} D{D} causal={causal} {dtype_name}"
+    shape = {"mode": "bwd", "B": B, "H": H, "S": S, "D": D, "causal": causal, "dtype": dtype_name}
+    return [
+        {**r, **shape, "rel_err_vs_cudnn": max(rels) if r["ours"] else None}
         for r in harness.report(title, ours, peers, flops)
     ]
 
@@ -141,27 +178,24 @@ def plot(rows, path, mode):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=harness.DTYPES)
     p.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
     args = p.parse_args(argv)
     harness.require_gpu("benchmarks/bench_attention.py")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = forward_rows(args.dims, args.dtypes, args.seqlens)
-    stamp = f"{torch.cuda.get_device_name()}, {datetime.date.today()}"
-    with open(args.out / "fwd.json", "w") as f:
-        json.dump(
-            {
-                "device": torch.cuda.get_device_name(),
-                "date": str(datetime.date.today()),
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
-    (args.out / "fwd.md").write_text(f"Forward, TFLOP/s ({stamp})\n\n" + markdown(rows, "fwd"))
-    plot(rows, args.out / "fwd.png", "forward")
-    print((args.out / "fwd.md").read_text())
+    device, date = torch.cuda.get_device_name(), str(datetime.date.today())
+    runners = {"fwd": (forward_rows, "Forward"), "bwd": (backward_rows, "Backward alone")}
+    for mode in args.modes:
+        run, title = runners[mode]
+        rows = run(args.dims, args.dtypes, args.seqlens)
+        with open(args.out / f"{mode}.json", "w") as f:
+            json.dump({"device": device, "date": date, "rows": rows}, f, indent=1)
+        table = f"{title}, TFLOP/s ({device}, {date})\n\n" + markdown(rows, mode)
+        (args.out / f"{mode}.md").write_text(table)
+        plot(rows, args.out / f"{mode}.png", title.lower())
+        print(table)
 
 
 if __name__ == "__main__":

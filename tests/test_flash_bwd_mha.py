@@ -171,6 +171,17 @@ def test_every_kernel_builds_for_sm90(script, dim, causal):
     assert ("wait_wgmma<1>" in bwd) == (script == PIPELINED)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_short_query_config_builds_for_sm90(script):
+    """Fewer queries than a 64-query step (Sq=17, D=128) once failed in ptxas: the default
+    config must step 32 queries there, and that kernel must build."""
+    mod = load_script(script)
+    assert mod.default_config(128, False, "sm_90a", seq_q=17)["block_N"] == 32
+    assert mod.default_config(128, False, "sm_90a", seq_q=4096)["block_N"] == 64
+    src = mod.compile_all(1, 4, 17, 17, 128, False, "bfloat16", "sm_90a")
+    assert "wgmma" in src["flashattn_bwd"]
+
+
 @pytest.mark.parametrize("script", [BSHD, PIPELINED])
 def test_tune_space_builds_for_sm90(script):
     """Every configuration ``--tune`` compares builds at D=128 (the tighter head dim)."""

@@ -359,7 +359,7 @@ def forward_config(dim, arch="sm_90a"):
     return dict(block_M=128, block_N=64, num_stages=2, threads=256)
 
 
-def default_config(dim, causal, arch="sm_90a"):
+def default_config(dim, causal, arch="sm_90a", seq_q=None):
     """Backward tiles: block_M keys per thread block, block_N queries per loop step.
 
     Hopper: 256 threads are two consumer warpgroups of 64 keys each (TileLang adds a producer
@@ -368,11 +368,15 @@ def default_config(dim, causal, arch="sm_90a"):
     64 queries was fastest at D=64 and D=128, causal or not — 389 TFLOP/s at D128 against 306
     for 128×32 (upstream's choice) and 274 for 64×64 — so ``causal`` does not change the choice
     today (kept in the signature on purpose). Other archs get a conservative mma.sync config.
+    With fewer than 64 queries (``seq_q``) the 64-query step does not build at D=128 (ptxas runs
+    out of registers: TileLang lays that kernel out differently when the tile is taller than
+    the tensor), so such short inputs step 32 queries at a time.
     """
     del causal
-    if arch.startswith("sm_90"):
-        return dict(block_M=128, block_N=64, num_stages=2, threads=256)
-    return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+    if not arch.startswith("sm_90"):
+        return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+    block_N = 32 if seq_q is not None and seq_q < 64 else 64
+    return dict(block_M=128, block_N=block_N, num_stages=2, threads=256)
 
 
 def tune_configs(dim):
@@ -455,7 +459,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = _dtype_name(q)
-    cfg = config or default_config(D, causal, device_arch(q.device))
+    cfg = config or default_config(D, causal, device_arch(q.device), Sq)
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     flashattn_bwd_preprocess(B, H, Sq, D, dtype)(out, dout, delta)
@@ -600,7 +604,7 @@ def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=Non
     """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, causal, arch)
+    cfg = config or default_config(dim, causal, arch, seq_q)
     fwd_cfg = forward_config(dim, arch)
     kernels = {
         "flashattn_fwd": (flashattn_fwd, (seq_k, dim, causal, scale, dtype), fwd_cfg),
@@ -629,7 +633,9 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(B, H, Sq, Sk, D, args.causal, args.dtype, args.arch)
-        print(f"{script}: built for {args.arch} with {default_config(D, args.causal, args.arch)}")
+        print(
+            f"{script}: built for {args.arch} with {default_config(D, args.causal, args.arch, Sq)}"
+        )
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
