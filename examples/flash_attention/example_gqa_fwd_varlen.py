@@ -362,11 +362,13 @@ def _dense_reference(q, k, v, causal, scale):
         rows = torch.arange(Sq, device=q.device)[:, None]
         cols = torch.arange(Sk, device=q.device)[None, :]
         scores = scores.masked_fill(cols > rows + (Sk - Sq), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    # Rows that see no key: probabilities 0, output 0, lse +inf (FlashAttention's convention).
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    # A row that sees no key gives probabilities 0 (softmax would give NaN): out 0, grads 0,
+    # lse +inf (FlashAttention's convention).
+    seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
     out = torch.einsum("hqk,khd->qhd", probs, v)
-    return out, lse.masked_fill(torch.isneginf(lse), float("inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return out, lse.masked_fill(~seen[..., 0], float("inf"))
 
 
 def ref_program(

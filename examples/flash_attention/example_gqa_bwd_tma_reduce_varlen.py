@@ -1,0 +1,934 @@
+"""FlashAttention forward + backward, GQA, variable-length (packed) batches, with dQ accumulated by
+TMA bulk reductions (Hopper, SM90).
+
+A differentiable ``attention_varlen`` with FlashAttention's varlen conventions: ``q [total_q, H,
+D]``, ``k, v [total_k, Hkv, D]`` packed back to back, ``cu_seqlens_q/k`` int32 ``[B + 1]``,
+``max_seqlen_q/k``; query head ``h`` reads kv head ``h // groups``. Query and key lengths may
+differ per sequence; ``bert_padding.unpad_input`` / ``pad_input`` get a padded batch with an
+attention mask into this form and back, and gradients flow through both.
+
+The forward is example_gqa_fwd_varlen.py's kernel (it also writes ``lse [H, total_q]``). The
+backward is example_gqa_bwd_tma_reduce.py's three steps made ragged:
+
+- preprocess: ``delta = rowsum(O · dO)`` per token and head. A token's delta does not depend on
+  which sequence it belongs to, so this kernel runs over the flat ``total_q`` rows.
+- one kernel per (query head, key block, sequence) — grid ``(H, ceil(max_seqlen_k / block_M),
+  B)`` — keeps its block's ``dk``/``dv`` in registers and walks the sequence's query blocks.
+  Blocks past the sequence's keys, and sequences without queries, leave at once.
+  - dq: each step's ``dq`` tile goes to shared memory and one TMA *reduce-add* adds it into a
+    float32 accumulator laid out ``[H, total_q, D]``, so a query block of one head is one dense
+    box at a per-sequence row offset. A box that runs past the sequence end adds exact zeros
+    into the next sequence's rows (those query columns are masked to P = 0, so their dq rows are
+    0); past ``total_q`` the TMA unit drops the rows.
+  - dk/dv: the group's query heads meet in one float32 dK/dV by a *regional* atomic, one
+    ``T.atomic_add`` of the whole tile from shared memory (vectorized four-float atomics);
+    key rows past the sequence end add zeros, rows past ``total_k`` are bounds-checked.
+- postprocess: the float32 accumulators are cast back to ``q``'s dtype and layout.
+
+``total_q``, ``total_k`` and ``B`` are dynamic dimensions (``T.dynamic``), so a new batch does
+not recompile. Causal masking is aligned bottom-right per sequence: query ``i`` sees key ``j``
+when ``j <= i + seq_len_k - seq_len_q``. Rows that see no key give out 0, lse +inf and dq 0.
+
+Run:
+    python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --groups 4 --causal
+    python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --compile-only  # no GPU
+"""
+
+import math
+import operator
+import pathlib
+import sys
+
+import einops
+import tilelang
+import tilelang.language as T
+import torch
+
+LOG2E = 1.4426950408889634
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+HEAD_DIMS = (64, 128)
+
+
+# ----------------------------------------------------------------------------- forward kernel
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd_varlen(
+    heads,
+    heads_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=128,
+    num_stages=1,
+    threads=256,
+):
+    """example_gqa_fwd_varlen.py's kernel; lse goes into rows padded for the backward's TMA."""
+    groups = heads // heads_kv
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
+    neg_inf = -T.infinity(accum_dtype)
+    # Sizes that change from batch to batch are dynamic: no recompilation for a new batch.
+    total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
+    # lse rows are total_q rounded up to 4 floats: the backward loads them by TMA, whose
+    # row stride must be a multiple of 16 bytes.
+    stats_len = T.dynamic("stats_len")
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([total_q, heads, dim], dtype),
+        K: T.Tensor([total_k, heads_kv, dim], dtype),
+        V: T.Tensor([total_k, heads_kv, dim], dtype),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        cu_seqlens_k: T.Tensor([batch + 1], "int32"),
+        max_seqlen_q: T.int32,
+        Output: T.Tensor([total_q, heads, dim], dtype),
+        lse: T.Tensor([heads, stats_len], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(max_seqlen_q, block_M), heads, batch, threads=threads) as (
+            bx,
+            by,
+            bz,
+        ):
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([block_N, dim], dtype)
+            V_shared = T.alloc_shared([block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
+            scores_max = T.alloc_fragment([block_M], accum_dtype)
+            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
+            scores_scale = T.alloc_fragment([block_M], accum_dtype)
+            scores_sum = T.alloc_fragment([block_M], accum_dtype)
+            logsum = T.alloc_fragment([block_M], accum_dtype)
+
+            q_start = cu_seqlens_q[bz]
+            k_start = cu_seqlens_k[bz]
+            seq_len_q = cu_seqlens_q[bz + 1] - q_start
+            seq_len_k = cu_seqlens_k[bz + 1] - k_start
+            offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
+
+            # The grid is sized for the longest sequence: blocks past this one's end leave at
+            # once, before any load is issued (so none can still be in flight at exit).
+            if bx * block_M < seq_len_q:
+                # Causal: the last query blocks of a sequence see the most keys. Launch them
+                # first, so the short blocks fill the tail of the grid.
+                m_blk = T.ceildiv(seq_len_q, block_M) - 1 - bx if causal else bx
+                row0 = m_blk * block_M  # first query row of this block, within the sequence
+
+                # Rows past the sequence end belong to the next sequence (or read as zeros past
+                # total_q): they are computed and thrown away, never stored.
+                T.copy(Q[q_start + row0 : q_start + row0 + block_M, by, :], Q_shared)
+                T.fill(acc_o, 0)
+                T.fill(logsum, 0)
+                T.fill(scores_max, neg_inf)
+
+                # Key blocks this query block must visit, and the first one that needs a mask:
+                # the ragged tail block (seq_len_k % block_N) and, when causal, the blocks that
+                # cross the diagonal. Every block before it is used unmasked.
+                n_blocks = T.ceildiv(seq_len_k, block_N)
+                first_masked = seq_len_k // block_N
+                if causal:
+                    last_key = row0 + block_M + offset  # one past the last key this block sees
+                    n_blocks = T.min(n_blocks, T.ceildiv(last_key, block_N))
+                    first_masked = T.min(first_masked, T.max(0, (row0 + offset) // block_N))
+                # At least one (fully masked) block even when no row here sees a key (an empty
+                # key sequence, or causal rows before the diagonal): the loop is where the
+                # consumers wait for the Q tile's TMA load, and a load still in flight at exit
+                # could land in shared memory another block already owns.
+                n_blocks = T.max(1, n_blocks)
+
+                for k in T.Pipelined(n_blocks, num_stages=num_stages):
+                    kv0 = k_start + k * block_N
+                    T.copy(K[kv0 : kv0 + block_N, by // groups, :], K_shared)
+                    T.gemm(
+                        Q_shared,
+                        K_shared,
+                        acc_s,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=T.GemmWarpPolicy.FullRow,
+                    )
+                    if k >= first_masked:
+                        # Keys past seq_len_k are the next sequence's: never let them in.
+                        for i, j in T.Parallel(block_M, block_N):
+                            key = k * block_N + j
+                            visible = key < seq_len_k
+                            if causal:
+                                visible = visible and key <= row0 + i + offset
+                            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+                    # Online softmax: new row max, rescale what was accumulated under the old.
+                    T.copy(scores_max, scores_max_prev)
+                    T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+                    for i in T.Parallel(block_M):
+                        # A row that has seen no visible key yet keeps max = -inf; using 0
+                        # instead makes exp2 give 0 rather than NaN (-inf - -inf).
+                        scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+                        scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+                    T.reduce_sum(acc_s, scores_sum, dim=1)
+                    for i in T.Parallel(block_M):
+                        logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                    T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of the second GEMM
+                    for i, j in T.Parallel(block_M, dim):
+                        acc_o[i, j] *= scores_scale[i]
+
+                    T.copy(V[kv0 : kv0 + block_N, by // groups, :], V_shared)
+                    T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+                # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+                # Through shared memory for wide, coalesced stores; only this sequence's rows.
+                T.copy(acc_o, O_shared)
+                for i, j in T.Parallel(block_M, dim):
+                    if row0 + i < seq_len_q:
+                        Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                for i in T.Parallel(block_M):
+                    if row0 + i < seq_len_q:
+                        lse[by, q_start + row0 + i] = T.if_then_else(
+                            logsum[i] > 0,
+                            (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                            T.infinity(accum_dtype),
+                        )
+
+    return main
+
+
+# ----------------------------------------------------------------------------- backward kernels
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_preprocess(heads, dim, dtype="float16", block=64):
+    """delta[h, t] = Σ_d O[t, h, d] · dO[t, h, d] in float32, over the flat packed tokens."""
+    accum_dtype = "float32"
+    total_q, stats_len = T.dynamic("total_q, stats_len")
+
+    @T.prim_func
+    def main(
+        Output: T.Tensor([total_q, heads, dim], dtype),
+        dO: T.Tensor([total_q, heads, dim], dtype),
+        Delta: T.Tensor([heads, stats_len], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(total_q, block), heads, threads=128) as (bx, by):
+            o = T.alloc_fragment([block, dim], dtype)
+            do = T.alloc_fragment([block, dim], dtype)
+            acc = T.alloc_fragment([block, dim], accum_dtype)
+            delta = T.alloc_fragment([block], accum_dtype)
+            T.copy(Output[bx * block : (bx + 1) * block, by, :], o)
+            T.copy(dO[bx * block : (bx + 1) * block, by, :], do)
+            for i, j in T.Parallel(block, dim):
+                acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
+            T.reduce_sum(acc, delta, dim=1)
+            T.copy(delta, Delta[by, bx * block : (bx + 1) * block])
+
+    return main
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_varlen(
+    heads,
+    heads_kv,
+    dim,
+    causal,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=64,
+    num_stages=2,
+    threads=256,
+):
+    """Gradients into float32 accumulators: dQ ``[H, total_q, D]`` by TMA reduce-add, dK/dV
+    (``[total_k, Hkv, D]``, shared by the group's query heads) by regional atomics.
+
+    Everything is computed transposed, keys along M, so that dk and dv are plain GEMM
+    accumulators: ``acc_s = K Qᵀ`` [block_M keys × block_N queries] becomes the probabilities
+    ``Pᵀ = exp(acc_s·scale − lse)``; ``acc_dp = V dOᵀ`` (= dPᵀ); ``dv += Pᵀ dO``;
+    ``ds = Pᵀ ⊙ (acc_dp − delta)·scale`` (= dSᵀ); ``dk += ds Q``; ``dq = dsᵀ K``.
+    """
+    groups = heads // heads_kv
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E
+    total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
+    stats_len = T.dynamic("stats_len")  # lse/Delta rows: total_q rounded up to 4 floats
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([total_q, heads, dim], dtype),
+        K: T.Tensor([total_k, heads_kv, dim], dtype),
+        V: T.Tensor([total_k, heads_kv, dim], dtype),
+        dO: T.Tensor([total_q, heads, dim], dtype),
+        lse: T.Tensor([heads, stats_len], accum_dtype),
+        Delta: T.Tensor([heads, stats_len], accum_dtype),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        cu_seqlens_k: T.Tensor([batch + 1], "int32"),
+        max_seqlen_k: T.int32,
+        dQ: T.Tensor([heads, total_q, dim], accum_dtype),
+        dK: T.Tensor([total_k, heads_kv, dim], accum_dtype),
+        dV: T.Tensor([total_k, heads_kv, dim], accum_dtype),
+    ):
+        with T.Kernel(heads, T.ceildiv(max_seqlen_k, block_M), batch, threads=threads) as (
+            bx,
+            by,
+            bz,
+        ):
+            K_shared = T.alloc_shared([block_M, dim], dtype)
+            V_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([block_N, dim], dtype)
+            dO_shared = T.alloc_shared([block_N, dim], dtype)
+            lse_shared = T.alloc_shared([block_N], accum_dtype)
+            delta_shared = T.alloc_shared([block_N], accum_dtype)
+            ds_shared = T.alloc_shared([block_M, block_N], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
+            ds_cast = T.alloc_fragment([block_M, block_N], dtype)
+            dq = T.alloc_fragment([block_N, dim], accum_dtype)
+            dq_shared = T.alloc_shared([block_N, dim], accum_dtype)
+            dk = T.alloc_fragment([block_M, dim], accum_dtype)
+            dv = T.alloc_fragment([block_M, dim], accum_dtype)
+            dk_shared = T.alloc_shared([block_M, dim], accum_dtype)
+            dv_shared = T.alloc_shared([block_M, dim], accum_dtype)
+
+            key0 = by * block_M  # first key of this block, within the sequence
+            # Key blocks past this sequence's keys, and sequences without queries (their keys'
+            # gradients stay 0), leave before any load is issued.
+            if (
+                key0 < cu_seqlens_k[bz + 1] - cu_seqlens_k[bz]
+                and cu_seqlens_q[bz + 1] > cu_seqlens_q[bz]
+            ):
+                q_start = cu_seqlens_q[bz]
+                k_start = cu_seqlens_k[bz]
+                seq_len_q = cu_seqlens_q[bz + 1] - q_start
+                seq_len_k = cu_seqlens_k[bz + 1] - k_start
+                offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
+                T.copy(K[k_start + key0 : k_start + key0 + block_M, bx // groups, :], K_shared)
+                T.copy(V[k_start + key0 : k_start + key0 + block_M, bx // groups, :], V_shared)
+                T.clear(dk)
+                T.clear(dv)
+
+                # Query blocks that see at least one of this block's keys; a query block needs
+                # a mask when it crosses seq_len_q, when this key block crosses seq_len_k, or
+                # (causal) when some of its queries precede some of the keys (query i sees key
+                # j iff i >= j - offset).
+                loop_st = 0
+                if causal:
+                    loop_st = T.max(0, key0 - offset) // block_N
+                loop_ed = T.ceildiv(seq_len_q, block_N)
+                # From this query block on, every query sees every key of the block.
+                first_unmasked = loop_st
+                if causal:
+                    first_unmasked = T.ceildiv(T.max(0, key0 + block_M - 1 - offset), block_N)
+                key_tail = key0 + block_M > seq_len_k
+
+                # Never empty (the last query of a sequence sees every key of it), so the
+                # consumers always wait for the K/V tiles' TMA loads inside the loop.
+                for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
+                    q0 = q_start + k * block_N  # first packed row of this query block
+                    T.copy(Q[q0 : q0 + block_N, bx, :], Q_shared)
+                    T.gemm(
+                        K_shared,
+                        Q_shared,
+                        acc_s,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=T.GemmWarpPolicy.FullRow,
+                    )
+                    T.copy(lse[bx, q0 : q0 + block_N], lse_shared)
+                    # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
+                    # Columns past seq_len_q are the next sequence's queries and rows past
+                    # seq_len_k its keys: a select (not a product) zeroes them, whatever
+                    # exp2 gave there.
+                    if key_tail or k < first_unmasked or (k + 1) * block_N > seq_len_q:
+                        for i, j in T.Parallel(block_M, block_N):
+                            key = key0 + i
+                            query = k * block_N + j
+                            visible = key < seq_len_k and query < seq_len_q
+                            if causal:
+                                visible = visible and key <= query + offset
+                            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
+
+                    T.copy(dO[q0 : q0 + block_N, bx, :], dO_shared)
+                    T.gemm(
+                        V_shared,
+                        dO_shared,
+                        acc_dp,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=T.GemmWarpPolicy.FullRow,
+                    )
+                    T.copy(acc_s, acc_s_cast)
+                    T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
+
+                    T.copy(Delta[bx, q0 : q0 + block_N], delta_shared)
+                    for i, j in T.Parallel(block_M, block_N):
+                        ds_cast[i, j] = (
+                            acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
+                        )
+                    T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+
+                    # dq needs dsᵀ as an operand: through shared memory.
+                    T.copy(ds_cast, ds_shared)
+                    T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
+                    # One TMA reduce-add per tile (zeros past the sequence end, rows past
+                    # total_q dropped by the TMA unit).
+                    T.copy(dq, dq_shared)
+                    T.atomic_add(dQ[bx, q0 : q0 + block_N, :], dq_shared, use_tma=True)
+
+                # One regional atomic per tile (vectorized, bounds-checked rows): the group's
+                # query heads meet in the same dK/dV.
+                T.copy(dv, dv_shared)
+                T.copy(dk, dk_shared)
+                kv0 = k_start + key0
+                T.atomic_add(dV[kv0 : kv0 + block_M, bx // groups, :], dv_shared)
+                T.atomic_add(dK[kv0 : kv0 + block_M, bx // groups, :], dk_shared)
+
+    return main
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_postprocess(heads, dim, dtype="float16", block=64):
+    """dQ: float32 ``[H, total_q, D]`` (the TMA-reduce layout) → fp16/bf16 ``[total_q, H, D]``."""
+    accum_dtype = "float32"
+    total_q = T.dynamic("total_q")
+
+    @T.prim_func
+    def main(
+        dQ: T.Tensor([heads, total_q, dim], accum_dtype),
+        dQ_out: T.Tensor([total_q, heads, dim], dtype),
+    ):
+        with T.Kernel(T.ceildiv(total_q, block), heads, threads=128) as (bx, by):
+            T.copy(
+                dQ[by, bx * block : (bx + 1) * block, :],
+                dQ_out[bx * block : (bx + 1) * block, by, :],
+            )
+
+    return main
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_postprocess_kv(heads_kv, dim, dtype="float16", block=64):
+    """dK or dV: float32 ``[total_k, Hkv, D]`` → fp16/bf16."""
+    accum_dtype = "float32"
+    total_k = T.dynamic("total_k")
+
+    @T.prim_func
+    def main(
+        dX: T.Tensor([total_k, heads_kv, dim], accum_dtype),
+        dX_out: T.Tensor([total_k, heads_kv, dim], dtype),
+    ):
+        with T.Kernel(T.ceildiv(total_k, block), heads_kv, threads=128) as (bx, by):
+            T.copy(
+                dX[bx * block : (bx + 1) * block, by, :],
+                dX_out[bx * block : (bx + 1) * block, by, :],
+            )
+
+    return main
+
+
+# ----------------------------------------------------------------------------- configurations
+def forward_config(dim, arch="sm_90a"):
+    """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_varlen.py)."""
+    if not arch.startswith("sm_90"):
+        return dict(block_M=64, block_N=64, num_stages=1, threads=128)
+    if dim <= 64:
+        return dict(block_M=128, block_N=128, num_stages=2, threads=256)
+    return dict(block_M=128, block_N=128, num_stages=1, threads=256)
+
+
+def default_config(dim, causal, arch="sm_90a"):
+    """Backward tiles: block_M keys per thread block, block_N queries per step — the dense
+    TMA-reduce backward's (example_gqa_bwd_tma_reduce.py, measured on an H100: 128×64 with two
+    consumer warpgroups, each holding 64 keys' dk and dv in registers). ``causal`` does not
+    change the choice (kept in the signature for when it does)."""
+    del causal, dim
+    if not arch.startswith("sm_90"):
+        return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+
+
+def tune_configs(dim):
+    """The space ``--tune`` compares side by side."""
+    del dim
+    return [
+        dict(block_M=128, block_N=64, num_stages=2, threads=256),
+        dict(block_M=128, block_N=32, num_stages=2, threads=256),
+        dict(block_M=64, block_N=64, num_stages=2, threads=128),
+        dict(block_M=64, block_N=32, num_stages=2, threads=128),
+    ]
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def device_arch(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def dtype_name(t):
+    return "float16" if t.dtype == torch.float16 else "bfloat16"
+
+
+def stats_len(total_q):
+    """Row length of lse/Delta: total_q rounded up to 4 floats (16 bytes, TMA's stride unit)."""
+    return (total_q + 3) // 4 * 4
+
+
+def _check_cu_seqlens(name, cu, total, ref_device):
+    """int32, 1-D, on q's device, 0 first, non-decreasing, last = token count. Returns the
+    per-sequence lengths (one device→host copy: the values must be seen to be checked)."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got {tuple(cu.shape)}")
+    if cu.device != ref_device:
+        raise ValueError(f"{name} must be on the same device as q ({ref_device}), got {cu.device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(
+            f"{name} must end at the token count {total} (the first dim of the packed "
+            f"tensor), got {values[-1]}"
+        )
+    return lengths
+
+
+def _check_max_seqlen(name, value, lengths):
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+    if isinstance(value, bool) or size < max(lengths):
+        raise ValueError(
+            f"{name} ({value!r}) must be at least the longest sequence, {max(lengths)}"
+        )
+    return size
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [total_tokens, heads, dim], got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    _, H, D = q.shape
+    if k.shape[2] != D:
+        raise ValueError(f"k must be [total_k, heads_kv, {D}] to match q, got {tuple(k.shape)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v must be on the same device")
+    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{len(lengths_q) + 1} and {len(lengths_k) + 1}"
+        )
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
+    """out ``[total_q, H, D]`` and lse ``[H, stats_len(total_q)]`` (natural log; the columns past
+    total_q are padding)."""
+    (total_q, H, D), Hkv = q.shape, k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(H, stats_len(total_q), dtype=torch.float32, device=q.device)
+    if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif total_q > 0:
+        cfg = forward_config(D, device_arch(q.device))
+        kernel = flashattn_fwd_varlen(H, Hkv, D, causal, softmax_scale, dtype_name(q), **cfg)
+        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse)
+    return out, lse
+
+
+def _backward(
+    q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, scale, config
+):
+    """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
+    (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
+    if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dtype = dtype_name(q)
+    cfg = config or default_config(D, causal, device_arch(q.device))
+
+    # Every delta entry, padding included, is written (0 past total_q): the backward multiplies
+    # by it, so no stale NaN may sit there.
+    delta = torch.empty(H, stats_len(total_q), dtype=torch.float32, device=q.device)
+    flashattn_bwd_preprocess(H, D, dtype)(out, dout, delta)
+
+    # Every accumulator is a sum of reduce-adds / atomic adds: it starts at zero.
+    dq_acc = torch.zeros(H, total_q, D, dtype=torch.float32, device=q.device)
+    dk_acc = torch.zeros(total_k, Hkv, D, dtype=torch.float32, device=q.device)
+    dv_acc = torch.zeros(total_k, Hkv, D, dtype=torch.float32, device=q.device)
+    kernel = flashattn_bwd_varlen(H, Hkv, D, causal, scale, dtype, **cfg)
+    kernel(
+        q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, dq_acc, dk_acc, dv_acc
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    flashattn_bwd_postprocess(H, D, dtype)(dq_acc, dq)
+    flashattn_bwd_postprocess_kv(Hkv, D, dtype)(dk_acc, dk)
+    flashattn_bwd_postprocess_kv(Hkv, D, dtype)(dv_acc, dv)
+    return dq, dk, dv
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    """Forward kernel + saved lse; backward kernels. (No torch.compile here: the kernels are
+    already compiled, and compiling an autograd.Function class changes nothing but the trace.)
+    Saved for the backward: q, k, v, out, lse and the two cu_seqlens — nothing else."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
+        config,
+    ):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out, lse = _forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.settings = (max_seqlen_k, causal, softmax_scale, config)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        max_seqlen_k, causal, softmax_scale, config = ctx.settings
+        dq, dk, dv = _backward(
+            q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_k, causal, softmax_scale, config,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal=False,
+    softmax_scale=None,
+    config=None,
+):
+    """Differentiable varlen GQA attention (FlashAttention's ``flash_attn_varlen_func``
+    conventions): ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]`` (fp16/bf16, CUDA),
+    ``cu_seqlens_q/k`` int32 ``[B + 1]`` on the same device, ``max_seqlen_q/k`` Python ints →
+    ``out [total_q, H, D]``. ``config`` overrides the backward tiles (see ``default_config``).
+    The inputs are validated, which reads ``cu_seqlens`` back to the host once per call.
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    return FlashAttnVarlenFunc.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        bool(causal), float(softmax_scale), config,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- references
+def _dense_reference(q, k, v, causal, scale):
+    """One sequence, ``q [Sq, H, D]``, ``k, v [Sk, Hkv, D]`` → out, lse ``[H, Sq]``."""
+    groups = q.shape[1] // k.shape[1]
+    # Each kv head serves `groups` consecutive query heads.
+    k, v = (einops.repeat(t, "s h d -> s (h g) d", g=groups) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        Sq, Sk = q.shape[0], k.shape[0]
+        rows = torch.arange(Sq, device=q.device)[:, None]
+        cols = torch.arange(Sk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (Sk - Sq), float("-inf"))
+    # A row that sees no key gives probabilities 0 (softmax would give NaN): out 0, grads 0,
+    # lse +inf (FlashAttention's convention).
+    seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    lse = torch.logsumexp(scores, dim=-1).detach()
+    return out, lse.masked_fill(~seen[..., 0], float("inf"))
+
+
+def ref_program(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal=False,
+    softmax_scale=None,
+    return_lse=False,
+):
+    """Plain PyTorch in float32 (float64 stays float64; runs on CPU), same signature and
+    conventions as ``attention_varlen`` (plus ``return_lse``: lse ``[H, total_q]``),
+    differentiable: one dense attention per sequence, so memory stays bounded by the longest
+    sequence."""
+    del max_seqlen_q, max_seqlen_k  # only the kernel's grid needs them
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=acc, device=q.device)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        (q0, q1), (k0, k1) = bounds_q[b : b + 2], bounds_k[b : b + 2]
+        if q1 == q0 or k1 == k0:
+            continue  # no queries, or no keys: out 0, lse +inf
+        out[q0:q1], lse[:, q0:q1] = _dense_reference(
+            q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc), causal, scale
+        )
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def ref_padded(q, k, v, query_mask, key_mask, causal=False, softmax_scale=None):
+    """Dense attention on a padded batch under its masks, the way a padded model computes it:
+    ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]``, masks ``[B, S]`` marking each sequence's valid
+    tokens as a prefix. Padded keys are masked out; padded query rows give 0. Float32, one
+    batch entry at a time so memory stays bounded."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    rows = torch.arange(q.shape[1], device=q.device)[:, None]
+    cols = torch.arange(k.shape[1], device=q.device)[None, :]
+    groups = q.shape[2] // k.shape[2]
+    outs = []
+    for b in range(q.shape[0]):
+        kb, vb = (einops.repeat(t[b].to(acc), "s h d -> s (h g) d", g=groups) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[b].to(acc), kb) * scale
+        visible = key_mask[b].bool()[None, :].expand(q.shape[1], -1)
+        if causal:  # bottom-right within this sequence's own lengths
+            diagonal = key_mask[b].sum() - query_mask[b].sum()
+            visible = visible & (cols <= rows + diagonal)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        seen = visible.any(dim=-1, keepdim=True)  # rows that see no key give 0, not NaN
+        probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vb))
+    out = torch.stack(outs) * query_mask[:, :, None, None]
+    return out.to(q.dtype)
+
+
+def reference_grads_padded(q, k, v, query_mask, key_mask, dout, causal, softmax_scale):
+    """out, dq, dk, dv (float32, padded layout) from autograd through ``ref_padded``, one batch
+    entry at a time so the score matrices stay bounded."""
+    results = []
+    for b in range(q.shape[0]):
+        leaves = [t[b : b + 1].detach().float().requires_grad_() for t in (q, k, v)]
+        masks = query_mask[b : b + 1], key_mask[b : b + 1]
+        out = ref_padded(*leaves, *masks, causal=causal, softmax_scale=softmax_scale)
+        grads = torch.autograd.grad(out, leaves, dout[b : b + 1].float())
+        results.append((out.detach(), *grads))
+    return [torch.cat(parts) for parts in zip(*results, strict=True)]
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def _bert_padding():
+    """bert_padding.py at the repository root: padded batch + mask <-> packed tokens."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    import bert_padding
+
+    return bert_padding
+
+
+def build_parser():
+    parser = _harness().base_parser(__doc__.splitlines()[0], seq_len=2048)
+    parser.set_defaults(batch=8)
+    parser.add_argument("--groups", type=int, default=4, help="query heads per kv head")
+    parser.description += (
+        ". Sequence lengths are drawn at random from 1..--seq_len (keys: 1..--seq_len_k, or the "
+        "query lengths when it is not given); the batch holds a sequence of length 1 and one of "
+        "the maximum."
+    )
+    return parser
+
+
+def random_lengths(batch, max_len, generator):
+    """Random lengths in 1..max_len, with 1 and max_len both present when batch >= 2."""
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator)
+    if batch >= 2:
+        lengths[0], lengths[-1] = 1, max_len
+    return lengths
+
+
+def padded_batch(batch, max_q, max_k, heads, heads_kv, dim, dtype, distinct_k, seed=0):
+    """A padded batch with random lengths: q/k/v/dout ``[B, S, H, D]`` (normal values, zeros in
+    the padding) and their masks ``[B, S]`` (valid tokens first)."""
+    g = torch.Generator().manual_seed(seed)
+    len_q = random_lengths(batch, max_q, g)
+    len_k = random_lengths(batch, max_k, g) if distinct_k else len_q
+    mask_q = torch.arange(max_q)[None, :] < len_q[:, None]
+    mask_k = torch.arange(max_k)[None, :] < len_k[:, None]
+    q = torch.randn(batch, max_q, heads, dim, generator=g) * mask_q[..., None, None]
+    k = torch.randn(batch, max_k, heads_kv, dim, generator=g) * mask_k[..., None, None]
+    v = torch.randn(batch, max_k, heads_kv, dim, generator=g) * mask_k[..., None, None]
+    dout = torch.randn(batch, max_q, heads, dim, generator=g) * mask_q[..., None, None]
+    return [t.to("cuda", dtype) for t in (q, k, v, dout)], mask_q.cuda(), mask_k.cuda()
+
+
+def check(q_pad, k_pad, v_pad, dout_pad, mask_q, mask_k, causal, scale, config=None):
+    """The user's path end to end: padded batch → ``unpad_input`` → kernels → ``pad_input``,
+    gradients back through both, against autograd through ``ref_padded`` (GUIDE §2)."""
+    harness, bp = _harness(), _bert_padding()
+    B, Sq = q_pad.shape[:2]
+    leaves = [t.detach().requires_grad_() for t in (q_pad, k_pad, v_pad)]
+    q, indices_q, cu_seqlens_q, max_seqlen_q, _ = bp.unpad_input(leaves[0], mask_q)
+    k, _, cu_seqlens_k, max_seqlen_k, _ = bp.unpad_input(leaves[1], mask_k)
+    v = bp.unpad_input(leaves[2], mask_k)[0]
+    out = attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, config
+    )
+    out_pad = bp.pad_input(out, indices_q, B, Sq)
+    grads = torch.autograd.grad(out_pad, leaves, dout_pad)
+    ref = reference_grads_padded(q_pad, k_pad, v_pad, mask_q, mask_k, dout_pad, causal, scale)
+    harness.check_close("out", out_pad, ref[0], rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+    harness.check_grads(dict(zip(("dq", "dk", "dv"), grads, strict=True)), dict(
+        zip(("dq", "dk", "dv"), ref[1:], strict=True)
+    ))  # fmt: skip
+
+
+def benchmark(q_pad, k_pad, v_pad, dout_pad, mask_q, mask_k, causal, scale, configs):
+    """Ours on the packed batch — forward+backward and backward alone, one row per entry of
+    ``configs`` (name → backward config, None for ``default_config``) — beside SDPA FLASH (FA2)
+    and cuDNN on the padded equivalent (all of it, padding included: what a padded model runs).
+    TFLOP/s count the packed batch's useful FLOPs for every row, so they compare as times."""
+    harness, bp = _harness(), _bert_padding()
+    H, D = q_pad.shape[2:]
+    q, _, cu_seqlens_q, max_seqlen_q, _ = bp.unpad_input(q_pad, mask_q)
+    k, _, cu_seqlens_k, max_seqlen_k, _ = bp.unpad_input(k_pad, mask_k)
+    v, dout = bp.unpad_input(v_pad, mask_k)[0], bp.unpad_input(dout_pad, mask_q)[0]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    varlen = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    fwd_bwd, bwd = {}, {}
+    for name, cfg in configs.items():
+        out = attention_varlen(*varlen, cfg)  # graph kept for backward alone
+        fwd_bwd[name] = lambda c=cfg: torch.autograd.grad(
+            attention_varlen(*varlen, c), (q, k, v), dout
+        )
+        bwd[name] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    peers_fwd_bwd, peers_bwd = harness.sdpa_backward_peers(
+        q_pad, k_pad, v_pad, dout_pad, causal, scale
+    )
+    fwd = harness.varlen_flops(cu_seqlens_q, cu_seqlens_k, H, D, D, causal)
+    bwd_flops = harness.varlen_flops(cu_seqlens_q, cu_seqlens_k, H, D, D, causal, backward=True)
+    shape = (
+        f"B{q_pad.shape[0]} H{H} Hkv{k_pad.shape[2]} max {q_pad.shape[1]}/{k_pad.shape[1]} "
+        f"D{D} causal={causal} {str(q.dtype)[6:]} ({q.shape[0]} tokens)"
+    )
+    rows = harness.report(
+        f"varlen forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd + bwd_flops
+    )
+    rows += harness.report(f"varlen backward {shape}", bwd, peers_bwd, bwd_flops)
+    return rows
+
+
+def compile_all(heads, heads_kv, dim, causal, dtype, arch, config=None):
+    """Build every kernel a forward + backward runs, for ``arch`` without a GPU; returns
+    name → CUDA source. (total_q, total_k and the batch are dynamic: no shape needed.)"""
+    harness = _harness()
+    scale = 1.0 / math.sqrt(dim)
+    cfg = config or default_config(dim, causal, arch)
+    attn = (heads, heads_kv, dim, causal, scale, dtype)
+    kernels = {
+        "flashattn_fwd_varlen": (flashattn_fwd_varlen, attn, forward_config(dim, arch)),
+        "flashattn_bwd_preprocess": (flashattn_bwd_preprocess, (heads, dim, dtype), {}),
+        "flashattn_bwd_varlen": (flashattn_bwd_varlen, attn, cfg),
+        "flashattn_bwd_postprocess": (flashattn_bwd_postprocess, (heads, dim, dtype), {}),
+        "flashattn_bwd_postprocess_kv": (flashattn_bwd_postprocess_kv, (heads_kv, dim, dtype), {}),
+    }
+    return {
+        name: harness.compile_for(fn, arch, *args, **kw).get_kernel_source()
+        for name, (fn, args, kw) in kernels.items()
+    }
+
+
+def main(argv=None):
+    harness = _harness()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.groups < 1 or args.heads % args.groups != 0:
+        parser.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
+    if args.dim not in HEAD_DIMS:
+        parser.error(f"--dim ({args.dim}) must be one of {HEAD_DIMS}")
+    B, H, D = args.batch, args.heads, args.dim
+    Hkv = H // args.groups
+    Sq = args.seq_len
+    Sk = args.seq_len_k or Sq
+    scale = 1.0 / math.sqrt(D)
+    script = pathlib.Path(__file__).name
+
+    if args.compile_only:
+        sources = compile_all(H, Hkv, D, args.causal, args.dtype, args.arch)
+        cfg = default_config(D, args.causal, args.arch)
+        print(f"{script}: built for {args.arch}, backward tiles {cfg} (total/batch dynamic)")
+        for name, src in sources.items():
+            print(harness.describe_source(name, src))
+        return
+
+    harness.require_gpu(script)
+    dtype = harness.DTYPES[args.dtype]
+    tensors, mask_q, mask_k = padded_batch(
+        B, Sq, Sk, H, Hkv, D, dtype, distinct_k=args.seq_len_k is not None
+    )
+    print(
+        f"B{B} H{H} Hkv{Hkv} D{D} causal={args.causal} {args.dtype}: query lengths "
+        f"{mask_q.sum(-1).tolist()}, key lengths {mask_k.sum(-1).tolist()}"
+    )
+    configs = {"tilelang varlen[tma-reduce]": None}
+    if args.tune:  # every tune_configs entry side by side in one report
+        configs.update({_config_name(c): c for c in tune_configs(D)})
+    if args.check:
+        check(*tensors, mask_q, mask_k, args.causal, scale)
+    if args.bench:
+        benchmark(*tensors, mask_q, mask_k, args.causal, scale, configs)
+
+
+def _config_name(cfg):
+    return "varlen {block_M}x{block_N} st{num_stages} t{threads}".format(**cfg)
+
+
+if __name__ == "__main__":
+    main()
