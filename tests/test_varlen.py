@@ -1,0 +1,515 @@
+"""Varlen (packed) attention scripts — example_mha_fwd_varlen.py, example_gqa_fwd_varlen.py and
+example_gqa_bwd_tma_reduce_varlen.py: references against per-sequence dense references and the
+padded batch (through bert_padding, with gradients), cu_seqlens validation, command lines and
+sm_90a builds (CPU); forward and gradient matrices on a GPU (marker ``gpu``)."""
+
+import functools
+import math
+import re
+
+import pytest
+import torch
+from helpers import load_script
+
+import bert_padding as bp
+
+MHA_FWD = "flash_attention/example_mha_fwd_varlen.py"
+GQA_FWD = "flash_attention/example_gqa_fwd_varlen.py"
+GQA_BWD = "flash_attention/example_gqa_bwd_tma_reduce_varlen.py"
+SCRIPTS = [MHA_FWD, GQA_FWD, GQA_BWD]
+DENSE = {  # the dense script each varlen script must agree with on equal lengths
+    MHA_FWD: "flash_attention/example_mha_fwd_bshd.py",
+    GQA_FWD: "flash_attention/example_gqa_fwd_bshd.py",
+    GQA_BWD: "flash_attention/example_gqa_bwd_tma_reduce.py",
+}
+
+
+def make_varlen(lens_q, lens_k, H, Hkv, D, dtype=torch.float64, device="cpu", scale=1.0, seed=0):
+    """Packed q, k, v, dout (normal values; q, k, v times ``scale``), int32 cu_seqlens on
+    ``device``, and the max lengths."""
+    g = torch.Generator().manual_seed(seed)
+    total_q, total_k = sum(lens_q), sum(lens_k)
+
+    def randn(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(device, dtype)
+
+    q = randn(total_q, H, D, s=scale)
+    k, v = randn(total_k, Hkv, D, s=scale), randn(total_k, Hkv, D, s=scale)
+    dout = randn(total_q, H, D)
+
+    def cu(lens):
+        return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device, torch.int32)
+
+    return q, k, v, dout, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k)
+
+
+def heads_for(script, H=4, Hkv=2):
+    return (H, H) if script == MHA_FWD else (H, Hkv)
+
+
+# ----------------------------------------------------------------------------- CPU: references
+# Lengths per sequence (query, key): Sq ≠ Sk both ways, a sequence of length 1, a sequence
+# without queries and one without keys.
+LENS_Q = [1, 13, 0, 7, 9]
+LENS_K = [9, 3, 4, 0, 9]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_equals_per_sequence_dense_references(script, causal):
+    """ref_program (packed) = the dense script's ref_program run on each sequence alone, out
+    and lse, in float64; a sequence without keys gives out 0 and lse +inf."""
+    mod, dense = load_script(script), load_script(DENSE[MHA_FWD if script == MHA_FWD else GQA_FWD])
+    H, Hkv = heads_for(script)
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_varlen(LENS_Q, LENS_K, H, Hkv, 16)
+    out, lse = mod.ref_program(q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(LENS_Q)):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        if LENS_Q[b] == 0:
+            continue
+        if LENS_K[b] == 0:
+            assert torch.all(out[rows] == 0) and torch.all(torch.isposinf(lse[:, rows]))
+            continue
+        ref_out, ref_lse = dense.ref_program(
+            q[None, rows], k[None, keys], v[None, keys], causal, 0.3, return_lse=True
+        )
+        torch.testing.assert_close(out[rows], ref_out[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[:, rows], ref_lse[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_round_trip_with_gradients(script, causal):
+    """Padded batch → unpad_input → ref_program → pad_input equals ref_padded (dense attention
+    on the padded batch under its masks), and so do the gradients of the padded q, k, v through
+    both routes (float64)."""
+    mod = load_script(script)
+    H, Hkv = heads_for(script)
+    B, Sq, Sk, D = len(LENS_Q), max(LENS_Q), max(LENS_K), 16
+    g = torch.Generator().manual_seed(1)
+    mask_q = torch.arange(Sq)[None, :] < torch.tensor(LENS_Q)[:, None]
+    mask_k = torch.arange(Sk)[None, :] < torch.tensor(LENS_K)[:, None]
+    shapes = [(B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D)]
+    q, k, v, dout = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    q_unpad, indices_q, cu_q, max_q, seqused_q = bp.unpad_input(leaves[0], mask_q)
+    k_unpad, _, cu_k, max_k, _ = bp.unpad_input(leaves[1], mask_k)
+    v_unpad = bp.unpad_input(leaves[2], mask_k)[0]
+    assert seqused_q.tolist() == LENS_Q and (max_q, max_k) == (Sq, Sk)
+    out = mod.ref_program(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, causal)
+    out_pad = bp.pad_input(out, indices_q, B, Sq)
+    grads = torch.autograd.grad(out_pad, leaves, dout)
+
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = mod.ref_padded(*ref_leaves, mask_q, mask_k, causal)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
+    torch.testing.assert_close(out_pad, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"d{name}")
+    # Padded positions get exactly zero gradient; so do keys of the sequence without queries.
+    assert torch.all(grads[0][~mask_q] == 0) and torch.all(grads[1][~mask_k] == 0)
+    assert torch.all(grads[1][2] == 0) and torch.all(grads[2][2] == 0)
+
+
+def test_reference_grads_padded_chunked_equals_direct():
+    """reference_grads_padded (float32, one batch entry at a time) = one float32 autograd pass."""
+    mod = load_script(GQA_BWD)
+    B, Sq, Sk, H, Hkv, D = 3, 9, 12, 4, 2, 16
+    g = torch.Generator().manual_seed(2)
+    mask_q = torch.arange(Sq)[None, :] < torch.tensor([9, 1, 4])[:, None]
+    mask_k = torch.arange(Sk)[None, :] < torch.tensor([12, 5, 0])[:, None]
+    shapes = [(B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D)]
+    q, k, v, dout = (torch.randn(s, generator=g).half() for s in shapes)
+    got = mod.reference_grads_padded(q, k, v, mask_q, mask_k, dout, True, 0.3)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out = mod.ref_padded(*leaves, mask_q, mask_k, True, 0.3)
+    want = (out, *torch.autograd.grad(out, leaves, dout.float()))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------- CPU: validation
+def _bad_calls(script):
+    """(description, args, kwargs, message fragment) for every input the function rejects.
+    Everything but the named defect is valid, and the tensors are on the CPU, so each defect
+    is found before the final CUDA check."""
+    H, Hkv = heads_for(script)
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_varlen(
+        [3, 0, 5], [4, 2, 0], H, Hkv, 128, torch.half
+    )
+    good = (q, k, v, cu_q, cu_k, max_q, max_k)
+
+    def with_(**changes):
+        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+        return tuple(changes.get(n, a) for n, a in zip(names, good, strict=True))
+
+    i32 = functools.partial(torch.tensor, dtype=torch.int32)
+    cases = [
+        ("cu_seqlens_q int64", with_(cu_seqlens_q=cu_q.long()), "cu_seqlens_q must be int32"),
+        ("cu_seqlens_k a list", with_(cu_seqlens_k=cu_k.tolist()), "cu_seqlens_k must be a torch"),
+        ("cu_seqlens_q 2-D", with_(cu_seqlens_q=cu_q[None]), "cu_seqlens_q must be 1-D"),
+        ("cu_seqlens_k length 1", with_(cu_seqlens_k=cu_k[:1]), "cu_seqlens_k must be 1-D"),
+        ("cu_seqlens_q on meta", with_(cu_seqlens_q=cu_q.to("meta")), "cu_seqlens_q must be on"),
+        ("cu_seqlens_q from 1", with_(cu_seqlens_q=i32([1, 3, 3, 8])), "must start at 0"),
+        ("cu_seqlens_k decreasing", with_(cu_seqlens_k=i32([0, 4, 3, 6])), "non-decreasing"),
+        ("cu_seqlens_q short of total", with_(cu_seqlens_q=i32([0, 3, 3, 7])), "token count 8"),
+        ("cu_seqlens_k past total", with_(cu_seqlens_k=i32([0, 4, 6, 7])), "token count 6"),
+        (
+            "batch sizes differ",
+            with_(cu_seqlens_k=i32([0, 6]), max_seqlen_k=6),
+            "cu_seqlens_q and cu_seqlens_k must have the same length",
+        ),
+        ("max_seqlen_q too small", with_(max_seqlen_q=4), "max_seqlen_q"),
+        ("max_seqlen_k too small", with_(max_seqlen_k=3), "max_seqlen_k"),
+        ("max_seqlen_q a float", with_(max_seqlen_q=5.0), "max_seqlen_q must be an int"),
+        ("max_seqlen_k a bool", with_(max_seqlen_k=True), "max_seqlen_k"),
+        ("float32", with_(q=q.float()), "float16 or bfloat16"),
+        ("mixed dtypes", with_(k=k.bfloat16(), v=v.bfloat16()), "share a dtype"),
+        ("rank 4", with_(q=q[None]), "q must be"),
+        ("k/v shapes differ", with_(v=v[:, :1]), "same shape"),
+        ("head dim mismatch", with_(k=k[..., :64], v=v[..., :64]), "k must be"),
+        ("head dim 96", with_(q=q[..., :96], k=k[..., :96], v=v[..., :96]), "head dim"),
+        ("strided last dim", with_(q=q.transpose(1, 2).contiguous().transpose(1, 2)), "last"),
+        ("CPU tensors", good, "CUDA tensor"),
+    ]
+    if script == MHA_FWD:
+        cases.append(("fewer kv heads", with_(k=k[:, :2], v=v[:, :2]), "MHA script"))
+    else:
+        cases.append(("H % Hkv", with_(q=torch.cat([q, q[:, :1]], dim=1)), "H % Hkv"))
+    return cases
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_input_raises_value_error_naming_argument(script):
+    mod = load_script(script)
+    for what, args, fragment in _bad_calls(script):
+        with pytest.raises(ValueError, match=fragment):
+            mod.attention_varlen(*args)
+            pytest.fail(f"accepted bad input: {what}")
+
+
+# ----------------------------------------------------------------------------- CPU: command line
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_flags(script):
+    parser = load_script(script).build_parser()
+    args = parser.parse_args([])
+    assert args.causal is False and args.batch == 8 and args.seq_len == 2048
+    assert parser.parse_args(["--causal"]).causal is True
+    for bad in (["--causal", "False"], ["--dtype", "float32"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+@pytest.mark.parametrize("script", [GQA_FWD, GQA_BWD])
+def test_groups_must_divide_heads(script, capsys):
+    with pytest.raises(SystemExit):
+        load_script(script).main(["--heads", "32", "--groups", "5", "--compile-only"])
+    assert "--groups" in capsys.readouterr().err
+
+
+def test_random_lengths_hold_one_and_the_maximum():
+    mod = load_script(MHA_FWD)
+    lengths = mod.random_lengths(6, 300, torch.Generator().manual_seed(0))
+    assert 1 in lengths.tolist() and 300 in lengths.tolist()
+    assert lengths.min() >= 1 and lengths.max() <= 300
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_main_without_gpu_says_so(script):
+    with pytest.raises(SystemExit) as exc:
+        load_script(script).main(["--seq_len", "128"])
+    assert "--compile-only" in str(exc.value.code)
+
+
+# ----------------------------------------------------------------------------- CPU: builds
+# (script, argv): every kernel of every script for sm_90a, both head dims, causal and not, both
+# dtypes, groups 1/4/8.
+BUILDS = [
+    (MHA_FWD, ["--dim", "128", "--causal"]),
+    (MHA_FWD, ["--dim", "64", "--dtype", "bfloat16"]),
+    (GQA_FWD, ["--dim", "128", "--dtype", "bfloat16", "--groups", "8"]),
+    (GQA_FWD, ["--dim", "64", "--causal", "--groups", "4"]),
+    (GQA_BWD, ["--dim", "128", "--causal", "--groups", "4"]),
+    (GQA_BWD, ["--dim", "64", "--dtype", "bfloat16", "--groups", "1"]),
+]
+
+
+@pytest.mark.parametrize(
+    "script,argv", BUILDS, ids=[f"{s[16:-3]} {' '.join(a)}" for s, a in BUILDS]
+)
+def test_compile_only_main_builds_for_sm90(script, argv, capsys):
+    load_script(script).main(["--compile-only", "--heads", "16", *argv])
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out
+    assert re.search(r"flashattn_fwd_varlen: .*wgmma, tma", out), out
+    if script == GQA_BWD:
+        assert re.search(r"flashattn_bwd_varlen: .*wgmma, tma.*bulk-reduce, atomics", out), out
+        for name in ("preprocess", "postprocess", "postprocess_kv"):
+            assert f"flashattn_bwd_{name}:" in out
+
+
+@functools.cache
+def sources(script, dim, causal, dtype):
+    """CUDA source of each kernel for sm_90a (what test_compile_only_main built: TileLang's
+    cache makes the second build cheap)."""
+    import harness
+
+    mod = load_script(script)
+    scale = 1 / math.sqrt(dim)
+    if script == GQA_BWD:
+        return mod.compile_all(16, 4, dim, causal, dtype, "sm_90a")
+    heads = (16,) if script == MHA_FWD else (16, 2)
+    cfg = mod.default_config(dim, causal, "sm_90a")
+    kernel = harness.compile_for(
+        mod.flashattn_fwd_varlen, "sm_90a", *heads, dim, causal, scale, dtype, **cfg
+    )
+    return {"flashattn_fwd_varlen": kernel.get_kernel_source()}
+
+
+@pytest.mark.parametrize("script", [MHA_FWD, GQA_BWD])
+def test_forward_code(script):
+    """One kernel for every batch: total_q, total_k and the batch arrive as kernel arguments.
+    Q/K/V come by TMA at per-sequence offsets; the output is not a TMA store (it would
+    overwrite the next sequence's rows) but a guarded store, and blocks past a sequence's end
+    leave before issuing a load."""
+    src = sources(script, 128, True, "float16")["flashattn_fwd_varlen"]
+    signature = src[: src.index("{")]
+    for arg in ("int batch", "int max_seqlen_q", "int total_q"):
+        assert arg in signature, arg
+    for tensor in ("Q", "K", "V"):
+        assert f"tl::tma_load({tensor}_desc" in src, tensor
+    assert "tma_store" not in src
+    first_load = src.index("tma_load(")
+    assert re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_q\)", src[:first_load])
+
+
+def test_backward_code():
+    """dQ goes out by TMA reduce-add only; dK/dV by vectorized regional atomics; lse and Delta
+    arrive by TMA (their rows padded to 16 bytes so the tensor map is legal for any total_q)."""
+    src = sources(GQA_BWD, 128, True, "float16")["flashattn_bwd_varlen"]
+    assert re.search(r"tl::tma_store_add\(dQ_desc,", src)
+    assert not re.search(r"AtomicAdd\w*\(\(?&\(?dQ\[", src)
+    assert set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?dK\[", src)) == {"AtomicAddx4"}
+    assert set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?dV\[", src)) == {"AtomicAddx4"}
+    for tensor in ("Q", "K", "V", "dO", "lse", "Delta"):
+        assert f"tl::tma_load({tensor}_desc" in src, tensor
+    signature = src[: src.index("{")]
+    for arg in ("int batch", "int max_seqlen_k", "int total_k"):
+        assert arg in signature, arg
+
+
+def test_stats_rows_are_padded_to_16_bytes():
+    mod = load_script(GQA_BWD)
+    assert [mod.stats_len(n) for n in (1, 3, 4, 5, 17, 4096)] == [4, 4, 4, 8, 20, 4096]
+
+
+# ----------------------------------------------------------------------------- GPU
+def _forward_cases():
+    """(script, lens_q, lens_k, H, Hkv, D, causal, dtype, input scale)."""
+    mix = [1, 700, 37, 1024, 255, 128, 129, 1]  # lengths 1 and the maximum, ragged blocks
+    with_empty = [5, 0, 300, 17, 0]  # zero-length sequences, one of them last
+    q_gt_k, k_for = [100, 1, 513, 64, 300], [300, 50, 17, 64, 0]  # Sq ≠ Sk both ways, no keys
+    cases = []
+    for script in SCRIPTS:
+        gqa = [(8, 8)] if script == MHA_FWD else [(8, 8), (8, 4), (8, 2), (8, 1)]
+        for i, (H, Hkv) in enumerate(gqa):
+            cases += [
+                (script, mix, mix, H, Hkv, 128, False, torch.float16, 1),
+                (script, mix, mix, H, Hkv, 64, True, torch.bfloat16, 1),
+            ][: 2 if i == 0 else 1]
+        H, Hkv = gqa[-1]
+        cases += [
+            (script, with_empty, with_empty, H, Hkv, 128, True, torch.float16, 1),
+            (script, q_gt_k, k_for, H, Hkv, 128, True, torch.bfloat16, 1),
+            (script, q_gt_k, k_for, H, Hkv, 64, False, torch.float16, 1),
+            (script, k_for, q_gt_k, H, Hkv, 64, True, torch.float16, 1),
+            (script, mix, mix, H, Hkv, 128, True, torch.bfloat16, 10),
+        ]
+    return cases
+
+
+def _case_id(case):
+    script, lens_q, lens_k, H, Hkv, D, causal, dtype, scale = case
+    lens = f"q{len(lens_q)}x{max(lens_q)}" + ("" if lens_q == lens_k else f"-k{max(lens_k)}")
+    tag = f"{script.split('_')[2]}-{lens}-H{H}-Hkv{Hkv}-D{D}-{'causal' if causal else 'full'}"
+    return tag + f"-{str(dtype)[6:]}" + (f"-x{scale}" if scale != 1 else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _forward_cases(), ids=_case_id)
+def test_forward_matches_reference(case, poisoned_empty):
+    """out (rel < 1e-2, GUIDE §2) and, where exposed, lse against ref_program in float32; every
+    buffer the kernels fill starts as NaN (poisoned_empty). Rows that see no key are exactly 0
+    (and lse +inf), never NaN."""
+    from helpers import rel_err
+
+    script, lens_q, lens_k, H, Hkv, D, causal, dtype, scale = case
+    mod = load_script(script)
+    q, k, v, _, *varlen = make_varlen(lens_q, lens_k, H, Hkv, D, dtype, "cuda", scale)
+    args = (q, k, v, *varlen, causal)
+    ref_out, ref_lse = mod.ref_program(*args, return_lse=True)
+    if script == GQA_BWD:
+        out = mod.attention_varlen(*args)
+    else:
+        out, lse = mod.attention_varlen(*args, return_lse=True)
+        assert lse.shape == ref_lse.shape
+        assert rel_err(lse, ref_lse) < 1e-4  # lse comes from fp32 scores: much tighter
+    assert rel_err(out, ref_out) < 1e-2, rel_err(out, ref_out)  # fp16/bf16 output (GUIDE §2)
+    no_key = ref_lse.isposinf().all(dim=0)  # query rows that see no key
+    assert torch.all(out[no_key] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "D,causal,dtype", [(128, True, torch.float16), (64, False, torch.bfloat16)]
+)
+def test_equal_lengths_match_dense_kernel(script, D, causal, dtype, poisoned_empty):
+    """All sequences of one length: the packed batch is the dense batch reshaped, and the varlen
+    kernel must give what the dense kernel gives on the same data. Same tiles, same arithmetic
+    per row: only rounding may differ, so the bound is 10× under the reference tolerance
+    (outputs and all gradients)."""
+    from helpers import rel_err
+
+    mod, dense = load_script(script), load_script(DENSE[script])
+    B, S = 3, 300
+    H, Hkv = (8, 8) if script == MHA_FWD else (8, 2)
+    q, k, v, dout, *varlen = make_varlen([S] * B, [S] * B, H, Hkv, D, dtype, "cuda")
+    if script != GQA_BWD:
+        out = mod.attention_varlen(q, k, v, *varlen, causal)
+        ref = dense.attention(*(t.view(B, S, *t.shape[1:]) for t in (q, k, v)), causal)
+        assert rel_err(out.view(B, S, H, D), ref) < 1e-3
+        return
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = mod.attention_varlen(*leaves, *varlen, causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    dense_leaves = [t.detach().view(B, S, *t.shape[1:]).requires_grad_() for t in (q, k, v)]
+    ref = dense.attention(*dense_leaves, causal)
+    ref_grads = torch.autograd.grad(ref, dense_leaves, dout.view(B, S, H, D))
+    assert rel_err(out.view(B, S, H, D), ref) < 1e-3
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_err(a.view(b.shape), b) < 1e-3, f"d{name}"
+
+
+def _backward_cases():
+    """(lens_q, lens_k, H, Hkv, D, causal, dtype, input scale): groups 1/2/4/8, both dtypes
+    and head dims, a length-1 and a maximal sequence, zero-length sequences, Sq ≠ Sk (rows with
+    no key, keys no query sees), ×10 inputs."""
+    mix = [1, 700, 37, 1024, 255, 128, 129, 1]
+    with_empty = [5, 0, 300, 17, 0]
+    q_gt_k, k_for = [100, 1, 513, 64, 300, 0], [300, 50, 17, 64, 0, 40]
+    return [
+        (mix, mix, 8, 8, 128, False, torch.float16, 1),
+        (mix, mix, 8, 4, 128, True, torch.bfloat16, 1),
+        (mix, mix, 8, 2, 64, True, torch.float16, 1),
+        (mix, mix, 8, 1, 64, False, torch.bfloat16, 1),
+        (with_empty, with_empty, 8, 2, 128, True, torch.float16, 1),
+        (q_gt_k, k_for, 8, 4, 128, True, torch.bfloat16, 1),
+        (k_for, q_gt_k, 8, 8, 64, True, torch.float16, 1),
+        (q_gt_k, k_for, 8, 1, 128, False, torch.float16, 1),
+        (mix, mix, 8, 2, 128, True, torch.bfloat16, 10),
+    ]
+
+
+def _bwd_case_id(case):
+    return _case_id((GQA_BWD, *case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _backward_cases(), ids=_bwd_case_id)
+def test_gradients_match_reference(case, poisoned_empty):
+    """out (rel < 1e-2) and dq, dk, dv (rel < 2e-2) against autograd through ref_program in
+    float32 (GUIDE §2); every buffer the kernels fill starts as NaN (poisoned_empty). Query rows
+    that see no key get out 0 and dq 0; keys that no query sees get dk = dv = 0."""
+    from helpers import rel_err
+
+    mod = load_script(GQA_BWD)
+    lens_q, lens_k, H, Hkv, D, causal, dtype, scale = case
+    q, k, v, dout, *varlen = make_varlen(lens_q, lens_k, H, Hkv, D, dtype, "cuda", scale)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = mod.attention_varlen(*leaves, *varlen, causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = mod.ref_program(*ref_leaves, *varlen, causal, return_lse=True)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.float())
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 forward: GUIDE §2
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_err(a, b) < 2e-2, f"d{name}: {rel_err(a, b):.3e}"  # gradients: GUIDE §2
+    no_key = ref_lse.isposinf().all(dim=0)
+    assert torch.all(out[no_key] == 0) and torch.all(grads[0][no_key] == 0)
+    unseen = (ref_grads[2] == 0).flatten(1).all(dim=1)  # keys no query sees (exact in fp32)
+    assert torch.all(grads[1][unseen] == 0) and torch.all(grads[2][unseen] == 0)
+
+
+@pytest.mark.gpu
+def test_backward_saves_only_what_it_uses_and_takes_expanded_dout(poisoned_empty):
+    """The autograd node holds q, k, v, out, lse and the two cu_seqlens, nothing else; and
+    loss = out.sum() (a stride-0 dout) with a non-default scale still gives right gradients."""
+    from helpers import rel_err
+
+    mod = load_script(GQA_BWD)
+    q, k, v, _, *varlen = make_varlen([300, 1, 77], [300, 9, 0], 8, 2, 128, torch.bfloat16, "cuda")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = mod.attention_varlen(*leaves, *varlen, causal=True, softmax_scale=0.05)
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 7 and saved[-2].dtype == torch.int32 and saved[-1].dtype == torch.int32
+    grads = torch.autograd.grad(out.float().sum(), leaves)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = mod.ref_program(*ref_leaves, *varlen, causal=True, softmax_scale=0.05)
+    ref_grads = torch.autograd.grad(ref.sum(), ref_leaves)
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_err(a, b) < 2e-2, f"d{name}"  # fp16/bf16 gradients: GUIDE §2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_new_batch_does_not_recompile(script):
+    """Two batches with different token counts and batch sizes run on one compiled kernel."""
+    mod = load_script(script)
+    H, Hkv = heads_for(script, 8, 2)
+    for lens in ([17, 300], [1, 2, 3, 500, 64]):
+        q, k, v, _, *varlen = make_varlen(lens, lens, H, Hkv, 64, torch.float16, "cuda")
+        mod.attention_varlen(q, k, v, *varlen, causal=True)
+        if lens[0] == 17:
+            built = len(mod.flashattn_fwd_varlen._kernel_cache)
+    assert len(mod.flashattn_fwd_varlen._kernel_cache) == built
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_empty_batches(script):
+    """No keys at all: out 0 (and dq 0); no queries at all: an empty out (and dk = dv = 0).
+    Nothing is launched for either."""
+    mod = load_script(script)
+    H, Hkv = heads_for(script, 8, 2)
+    for lens_q, lens_k in (([5, 3], [0, 0]), ([0, 0], [7, 1])):
+        q, k, v, dout, *varlen = make_varlen(lens_q, lens_k, H, Hkv, 64, torch.float16, "cuda")
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = mod.attention_varlen(*leaves, *varlen)
+        assert out.shape == q.shape and torch.all(out == 0)
+        if script == GQA_BWD:
+            dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+            assert torch.all(dq == 0) and torch.all(dk == 0) and torch.all(dv == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("extra", [[], ["--causal", "--dtype", "bfloat16", "--seq_len_k", "700"]])
+def test_main_small(script, extra, capsys):
+    """main() end to end at a small size: random lengths → unpad_input → kernels → pad_input,
+    checked against the padded dense reference (it raises otherwise), then the benchmark."""
+    argv = ["--batch", "5", "--heads", "8", "--seq_len", "300", "--dim", "64", *extra]
+    if script != MHA_FWD:
+        argv += ["--groups", "2"]
+    load_script(script).main(argv)
+    out = capsys.readouterr().out
+    assert "out " in out and "TFLOP/s" in out
+    if script == GQA_BWD:
+        assert all(f"{name} " in out for name in ("dq", "dk", "dv"))
+        assert "varlen backward" in out and "varlen forward+backward" in out
