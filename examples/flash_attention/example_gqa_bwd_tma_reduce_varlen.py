@@ -476,28 +476,42 @@ def stats_len(total_q):
     return (total_q + 3) // 4 * 4
 
 
-def _check_cu_seqlens(name, cu, total, ref_device):
-    """int32, 1-D, on q's device, 0 first, non-decreasing, last = token count. Returns the
-    per-sequence lengths (one device→host copy: the values must be seen to be checked)."""
-    if not isinstance(cu, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got {tuple(cu.shape)}")
-    if cu.device != ref_device:
-        raise ValueError(f"{name} must be on the same device as q ({ref_device}), got {cu.device}")
-    values = cu.tolist()
-    if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0]}")
-    lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
-    if min(lengths) < 0:
-        raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device):
+    """int32, 1-D of one length B + 1, on q's device, 0 first, non-decreasing, last = token
+    count. Returns the per-sequence lengths of each. The values must be seen to be checked:
+    one device→host copy for both."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got {tuple(cu.shape)}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
-            f"{name} must end at the token count {total} (the first dim of the packed "
-            f"tensor), got {values[-1]}"
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
+    both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+    batch = cu_seqlens_q.shape[0] - 1
+    checks = (
+        ("cu_seqlens_q", both[: batch + 1], total_q),
+        ("cu_seqlens_k", both[batch + 1 :], total_k),
+    )
+    lengths = []
+    for name, values, total in checks:
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        lengths.append([b - a for a, b in zip(values[:-1], values[1:], strict=True)])
+        if min(lengths[-1]) < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if values[-1] != total:
+            raise ValueError(
+                f"{name} must end at the token count {total} (the first dim of the packed "
+                f"tensor), got {values[-1]}"
+            )
     return lengths
 
 
@@ -539,13 +553,9 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
     if k.device != q.device or v.device != q.device:
         raise ValueError("q, k, v must be on the same device")
-    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-    if len(lengths_q) != len(lengths_k):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-            f"{len(lengths_q) + 1} and {len(lengths_k) + 1}"
-        )
+    lengths_q, lengths_k = _check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device
+    )
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
     for name, t in (("q", q), ("k", k), ("v", v)):
