@@ -337,7 +337,9 @@ def _forward_cases():
 def _case_id(case):
     script, lens_q, lens_k, H, Hkv, D, causal, dtype, scale = case
     lens = f"q{len(lens_q)}x{max(lens_q)}" + ("" if lens_q == lens_k else f"-k{max(lens_k)}")
-    tag = f"{script.split('_')[2]}-{lens}-H{H}-Hkv{Hkv}-D{D}-{'causal' if causal else 'full'}"
+    tag = (
+        f"{script.split('/')[-1][8:-10]}-{lens}-H{H}-Hkv{Hkv}-D{D}-{'causal' if causal else 'full'}"
+    )
     return tag + f"-{str(dtype)[6:]}" + (f"-x{scale}" if scale != 1 else "")
 
 
