@@ -293,7 +293,9 @@ def flashattn_bwd_varlen(
 
             key0 = by * block_M  # first key of this block, within the sequence
             # Key blocks past this sequence's keys, and sequences without queries (their keys'
-            # gradients stay 0), leave before any load is issued.
+            # gradients stay 0), leave before any load is issued. (The lengths are read straight
+            # from cu_seqlens here: bound to names before this `if`, TileLang 0.1.15's warp
+            # specialization fails with "used before definition".)
             if (
                 key0 < cu_seqlens_k[bz + 1] - cu_seqlens_k[bz]
                 and cu_seqlens_q[bz + 1] > cu_seqlens_q[bz]
