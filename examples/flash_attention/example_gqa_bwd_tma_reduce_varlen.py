@@ -7,8 +7,8 @@ D]``, ``k, v [total_k, Hkv, D]`` packed back to back, ``cu_seqlens_q/k`` int32 `
 differ per sequence; ``bert_padding.unpad_input`` / ``pad_input`` get a padded batch with an
 attention mask into this form and back, and gradients flow through both.
 
-The forward is example_gqa_fwd_varlen.py's kernel (it also writes ``lse [H, total_q]``). The
-backward is example_gqa_bwd_tma_reduce.py's three steps made ragged:
+The forward is example_gqa_fwd_varlen.py's kernel; it also writes the row log-sum-exp ``lse``
+for the backward. The backward is example_gqa_bwd_tma_reduce.py's three steps made ragged:
 
 - preprocess: ``delta = rowsum(O · dO)`` per token and head. A token's delta does not depend on
   which sequence it belongs to, so this kernel runs over the flat ``total_q`` rows.
@@ -24,6 +24,12 @@ backward is example_gqa_bwd_tma_reduce.py's three steps made ragged:
     ``T.atomic_add`` of the whole tile from shared memory (vectorized four-float atomics);
     key rows past the sequence end add zeros, rows past ``total_k`` are bounds-checked.
 - postprocess: the float32 accumulators are cast back to ``q``'s dtype and layout.
+
+Every tile (Q, K, V, dO, lse, Delta) arrives by TMA at a per-sequence offset into the packed
+tensors; a box that runs past the sequence end reads the next sequence's rows, which the masks
+zero by select, never by product. ``lse`` and ``Delta`` are ``[H, total_q]`` tables whose rows
+are padded to a multiple of 4 floats (``stats_len``): a TMA tensor map needs its row stride to
+be a multiple of 16 bytes, and ``total_q`` can be anything.
 
 ``total_q``, ``total_k`` and ``B`` are dynamic dimensions (``T.dynamic``), so a new batch does
 not recompile. Causal masking is aligned bottom-right per sequence: query ``i`` sees key ``j``
