@@ -21,8 +21,13 @@ for the backward. The backward is example_gqa_bwd_tma_reduce.py's three steps ma
     into the next sequence's rows (those query columns are masked to P = 0, so their dq rows are
     0); past ``total_q`` the TMA unit drops the rows.
   - dk/dv: the group's query heads meet in one float32 dK/dV by a *regional* atomic, one
-    ``T.atomic_add`` of the whole tile from shared memory (vectorized four-float atomics);
-    key rows past the sequence end add zeros, rows past ``total_k`` are bounds-checked.
+    ``T.atomic_add`` of the whole tile straight from the registers that accumulated it
+    (vectorized two-float atomics: the accumulator gives each thread pairs of neighbouring
+    columns). Staging it through shared memory, as the dense script does, would give four-float
+    atomics, but here the whole kernel body sits under the early-exit test and TileLang then
+    does not reuse the Q/dO/dS buffers for the staging tiles: 312320 bytes at D=128, over the
+    227 KB limit. Key rows past the sequence end add zeros, rows past ``total_k`` are
+    bounds-checked.
 - postprocess: the float32 accumulators are cast back to ``q``'s dtype and layout.
 
 Every tile (Q, K, V, dO, lse, Delta) arrives by TMA at a per-sequence offset into the packed
@@ -294,8 +299,6 @@ def flashattn_bwd_varlen(
             dq_shared = T.alloc_shared([block_N, dim], accum_dtype)
             dk = T.alloc_fragment([block_M, dim], accum_dtype)
             dv = T.alloc_fragment([block_M, dim], accum_dtype)
-            dk_shared = T.alloc_shared([block_M, dim], accum_dtype)
-            dv_shared = T.alloc_shared([block_M, dim], accum_dtype)
 
             key0 = by * block_M  # first key of this block, within the sequence
             # Key blocks past this sequence's keys, and sequences without queries (their keys'
@@ -386,13 +389,11 @@ def flashattn_bwd_varlen(
                     T.copy(dq, dq_shared)
                     T.atomic_add(dQ[bx, q0 : q0 + block_N, :], dq_shared, use_tma=True)
 
-                # One regional atomic per tile (vectorized, bounds-checked rows): the group's
-                # query heads meet in the same dK/dV.
-                T.copy(dv, dv_shared)
-                T.copy(dk, dk_shared)
+                # One regional atomic per tile, from registers (vectorized, bounds-checked
+                # rows): the group's query heads meet in the same dK/dV.
                 kv0 = k_start + key0
-                T.atomic_add(dV[kv0 : kv0 + block_M, bx // groups, :], dv_shared)
-                T.atomic_add(dK[kv0 : kv0 + block_M, bx // groups, :], dk_shared)
+                T.atomic_add(dV[kv0 : kv0 + block_M, bx // groups, :], dv)
+                T.atomic_add(dK[kv0 : kv0 + block_M, bx // groups, :], dk)
 
     return main
 
