@@ -195,8 +195,9 @@ def report(title: str, ours: dict, peers: dict, flops: float, rounds: int = 3) -
     best_peer = max((r["tflops"] for r in rows if not r["ours"]), default=math.nan)
     print(f"{title}  ({torch.cuda.get_device_name()})")
     for r in rows:
-        r["ratio_to_best_peer"] = r["tflops"] / best_peer
-        tag = f"{r['ratio_to_best_peer']:5.2f}x best peer" if r["ours"] else ""
+        r["ratio_to_best_peer"] = r["tflops"] / best_peer  # NaN when no peer ran
+        has_peer = not math.isnan(best_peer)
+        tag = f"{r['ratio_to_best_peer']:5.2f}x best peer" if r["ours"] and has_peer else ""
         print(f"  {r['impl']:<26} {r['ms']:8.3f} ms {r['tflops']:8.1f} TFLOP/s  {tag}")
     return rows
 
