@@ -164,7 +164,7 @@ def default_config(dim, causal, arch="sm_90a"):
     D=128 measured the same with one or two K/V stages (within noise) and one stage leaves shared
     memory free; D=256 halves block_N to fit shared memory. At S=4096 causal and non-causal
     preferred the same tiles (H100, 2026-11-22); at S=1024 causal D=64, 128-row tiles were 11%
-    faster but 5% slower at S=4096, and this choice does not look at the sequence length yet, so
+    faster but 4% slower at S=4096, and this choice does not look at the sequence length yet, so
     ``causal`` does not change it today. Other archs get a conservative mma.sync config.
     """
     del causal  # kept in the signature: the measured best tiles may depend on it (see above)
