@@ -83,17 +83,27 @@ def describe_source(name: str, source: str) -> str:
 
 
 # ----------------------------------------------------------------------------- correctness
-def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> float:
-    """Relative error ‖out−ref‖/‖ref‖ must stay under ``rtol``; NaN/Inf never pass."""
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out−ref‖/‖ref‖ over the reference's finite entries (GUIDE §2's metric); inf unless out's
+    non-finite entries are exactly the reference's (same places, same infinities, never NaN)."""
     out, ref = out.float(), ref.float()
-    if out.shape != ref.shape:
-        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     finite = torch.isfinite(ref)
     if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
-        raise AssertionError(f"{name}: NaN/Inf where the reference has none, or the reverse")
+        return math.inf
     diff = (out[finite] - ref[finite]).double()
+    return (diff.norm() / ref[finite].double().norm().clamp_min(1e-30)).item()
+
+
+def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> float:
+    """Relative error ‖out−ref‖/‖ref‖ must stay under ``rtol``; NaN/Inf never pass."""
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    rel = rel_error(out, ref)
+    if math.isinf(rel):
+        raise AssertionError(f"{name}: NaN/Inf where the reference has none, or the reverse")
+    finite = torch.isfinite(ref)
+    diff = out.float()[finite] - ref.float()[finite]
     max_abs = diff.abs().max().item() if diff.numel() else 0.0
-    rel = (diff.norm() / ref[finite].double().norm().clamp_min(1e-30)).item()
     print(f"  {name:<8} max|diff| {max_abs:.3e}   rel {rel:.3e}   (tol {rtol:g})")
     if not rel < rtol:
         raise AssertionError(f"{name}: relative error {rel:.3e} exceeds {rtol:g}")
