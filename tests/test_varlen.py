@@ -291,7 +291,7 @@ def test_forward_code(script):
 
 def test_backward_code():
     """dQ goes out by TMA reduce-add only; dK/dV by vectorized regional atomics; lse and Delta
-    arrive by TMA (their rows padded to 16 bytes so the tensor map is legal for any total_q)."""
+    arrive by TMA, each box starting at a multiple of 4 floats (the aligned stats layout)."""
     src = sources(GQA_BWD, 128, True, "float16")["flashattn_bwd_varlen"]
     assert re.search(r"tl::tma_store_add\(dQ_desc,", src)
     assert not re.search(r"AtomicAdd\w*\(\(?&\(?dQ\[", src)
@@ -300,14 +300,29 @@ def test_backward_code():
     assert set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?dV\[", src)) == {"AtomicAddx2"}
     for tensor in ("Q", "K", "V", "dO", "lse", "Delta"):
         assert f"tl::tma_load({tensor}_desc" in src, tensor
+    for tensor in ("lse", "Delta"):  # innermost coordinate: k * 64 + ⌊(q_start + 3b) / 4⌋ * 4
+        load = re.search(rf"tl::tma_load\({tensor}_desc, [^;]*;", src).group(0)
+        assert re.search(r"\(\w+ \* 64\) \+ \(\(\(+.*\) >> 2\) \* 4\)\)", load), load
     signature = src[: src.index("{")]
     for arg in ("int batch", "int max_seqlen_k", "int total_k"):
         assert arg in signature, arg
 
 
-def test_stats_rows_are_padded_to_16_bytes():
+@pytest.mark.parametrize(
+    "lengths", [[17, 64, 1, 130], [1, 1, 1, 1, 1], [0, 5, 0, 3], [4096], [3, 0], [255, 1000, 1]]
+)
+def test_stats_layout_is_16_byte_aligned_and_disjoint(lengths):
+    """lse/Delta columns: every sequence starts on a multiple of 4 floats (a TMA box must start
+    16-byte aligned in the innermost dimension), sequences never overlap, and all fit in
+    stats_len columns, itself a multiple of 4 (the tensor map's row stride)."""
     mod = load_script(GQA_BWD)
-    assert [mod.stats_len(n) for n in (1, 3, 4, 5, 17, 4096)] == [4, 4, 4, 8, 20, 4096]
+    cu = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
+    starts = [mod.stats_start(cu[b], b) for b in range(len(lengths))]
+    width = mod.stats_len(cu[-1], len(lengths))
+    assert all(s % 4 == 0 for s in starts) and width % 4 == 0
+    ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+    assert all(end <= nxt for end, nxt in zip(ends, starts[1:], strict=False))
+    assert ends[-1] <= width and starts[0] == 0
 
 
 # ----------------------------------------------------------------------------- GPU

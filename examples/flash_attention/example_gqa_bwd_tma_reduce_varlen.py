@@ -10,8 +10,8 @@ attention mask into this form and back, and gradients flow through both.
 The forward is example_gqa_fwd_varlen.py's kernel; it also writes the row log-sum-exp ``lse``
 for the backward. The backward is example_gqa_bwd_tma_reduce.py's three steps made ragged:
 
-- preprocess: ``delta = rowsum(O · dO)`` per token and head. A token's delta does not depend on
-  which sequence it belongs to, so this kernel runs over the flat ``total_q`` rows.
+- preprocess: ``delta = rowsum(O · dO)`` per token and head, one thread block per (query
+  block, head, sequence), written into the same aligned rows as ``lse`` (below).
 - one kernel per (query head, key block, sequence) — grid ``(H, ceil(max_seqlen_k / block_M),
   B)`` — keeps its block's ``dk``/``dv`` in registers and walks the sequence's query blocks.
   Blocks past the sequence's keys, and sequences without queries, leave at once.
@@ -32,9 +32,13 @@ for the backward. The backward is example_gqa_bwd_tma_reduce.py's three steps ma
 
 Every tile (Q, K, V, dO, lse, Delta) arrives by TMA at a per-sequence offset into the packed
 tensors; a box that runs past the sequence end reads the next sequence's rows, which the masks
-zero by select, never by product. ``lse`` and ``Delta`` are ``[H, total_q]`` tables whose rows
-are padded to a multiple of 4 floats (``stats_len``): a TMA tensor map needs its row stride to
-be a multiple of 16 bytes, and ``total_q`` can be anything.
+zero by select, never by product. For Q, K, V and dO that offset is on an outer dimension. For
+``lse`` and ``Delta`` (``[H, stats_len]`` float32 tables) it is on the innermost one, where a TMA
+box must start on a 16-byte boundary — a box starting at float 17 stops the GPU with an
+illegal instruction. So each sequence's stats start on a multiple of 4 floats: sequence ``b`` at
+``stats_start = 4·⌊(cu_seqlens_q[b] + 3b) / 4⌋``, which leaves 0-3 unused floats after each
+sequence and never overlaps the next one; ``stats_len`` (total_q + 3B rounded up to 4) also
+keeps the row stride a multiple of 16 bytes, as a tensor map needs.
 
 ``total_q``, ``total_k`` and ``B`` are dynamic dimensions (``T.dynamic``), so a new batch does
 not recompile. Causal masking is aligned bottom-right per sequence: query ``i`` sees key ``j``
@@ -60,6 +64,13 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = (64, 128)
 
 
+def stats_start(q_start, b):
+    """First lse/Delta column of sequence ``b`` (its first packed row is ``q_start``): the next
+    multiple of 4 floats at or after ``q_start + 3b`` rounded down, i.e. 16-byte aligned and past
+    the previous sequence's columns. Works on Python ints and on TileLang expressions alike."""
+    return (q_start + 3 * b) // 4 * 4
+
+
 # ----------------------------------------------------------------------------- forward kernel
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_fwd_varlen(
@@ -81,8 +92,8 @@ def flashattn_fwd_varlen(
     neg_inf = -T.infinity(accum_dtype)
     # Sizes that change from batch to batch are dynamic: no recompilation for a new batch.
     total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
-    # lse rows are total_q rounded up to 4 floats: the backward loads them by TMA, whose
-    # row stride must be a multiple of 16 bytes.
+    # lse rows: every sequence starts on a 16-byte boundary (see the module docstring), as the
+    # backward's TMA loads need.
     stats_len = T.dynamic("stats_len")
 
     @T.prim_func
@@ -119,6 +130,7 @@ def flashattn_fwd_varlen(
             seq_len_q = cu_seqlens_q[bz + 1] - q_start
             seq_len_k = cu_seqlens_k[bz + 1] - k_start
             offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
+            lse_start = stats_start(q_start, bz)  # this sequence's first lse column
 
             # The grid is sized for the longest sequence: blocks past this one's end leave at
             # once, before any load is issued (so none can still be in flight at exit).
@@ -200,7 +212,7 @@ def flashattn_fwd_varlen(
                         Output[q_start + row0 + i, by, j] = O_shared[i, j]
                 for i in T.Parallel(block_M):
                     if row0 + i < seq_len_q:
-                        lse[by, q_start + row0 + i] = T.if_then_else(
+                        lse[by, lse_start + row0 + i] = T.if_then_else(
                             logsum[i] > 0,
                             (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
                             T.infinity(accum_dtype),
@@ -212,27 +224,38 @@ def flashattn_fwd_varlen(
 # ----------------------------------------------------------------------------- backward kernels
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_bwd_preprocess(heads, dim, dtype="float16", block=64):
-    """delta[h, t] = Σ_d O[t, h, d] · dO[t, h, d] in float32, over the flat packed tokens."""
+    """delta = Σ_d O · dO in float32 for each token and head, stored at the token's column in
+    the aligned stats layout (``Delta[h, stats_start + i]`` for row ``i`` of a sequence)."""
     accum_dtype = "float32"
-    total_q, stats_len = T.dynamic("total_q, stats_len")
+    total_q, batch, stats_len = T.dynamic("total_q, batch, stats_len")
 
     @T.prim_func
     def main(
         Output: T.Tensor([total_q, heads, dim], dtype),
         dO: T.Tensor([total_q, heads, dim], dtype),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        max_seqlen_q: T.int32,
         Delta: T.Tensor([heads, stats_len], accum_dtype),
     ):
-        with T.Kernel(T.ceildiv(total_q, block), heads, threads=128) as (bx, by):
+        with T.Kernel(T.ceildiv(max_seqlen_q, block), heads, batch, threads=128) as (bx, by, bz):
             o = T.alloc_fragment([block, dim], dtype)
             do = T.alloc_fragment([block, dim], dtype)
             acc = T.alloc_fragment([block, dim], accum_dtype)
             delta = T.alloc_fragment([block], accum_dtype)
-            T.copy(Output[bx * block : (bx + 1) * block, by, :], o)
-            T.copy(dO[bx * block : (bx + 1) * block, by, :], do)
-            for i, j in T.Parallel(block, dim):
-                acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
-            T.reduce_sum(acc, delta, dim=1)
-            T.copy(delta, Delta[by, bx * block : (bx + 1) * block])
+            q_start = cu_seqlens_q[bz]
+            seq_len_q = cu_seqlens_q[bz + 1] - q_start
+            delta_start = stats_start(q_start, bz)
+            row0 = bx * block
+            if row0 < seq_len_q:
+                # Rows past the sequence end are the next sequence's: computed, not stored.
+                T.copy(Output[q_start + row0 : q_start + row0 + block, by, :], o)
+                T.copy(dO[q_start + row0 : q_start + row0 + block, by, :], do)
+                for i, j in T.Parallel(block, dim):
+                    acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
+                T.reduce_sum(acc, delta, dim=1)
+                for i in T.Parallel(block):
+                    if row0 + i < seq_len_q:
+                        Delta[by, delta_start + row0 + i] = delta[i]
 
     return main
 
@@ -262,7 +285,7 @@ def flashattn_bwd_varlen(
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E
     total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
-    stats_len = T.dynamic("stats_len")  # lse/Delta rows: total_q rounded up to 4 floats
+    stats_len = T.dynamic("stats_len")  # lse/Delta rows in the aligned layout (docstring)
 
     @T.prim_func
     def main(
@@ -314,6 +337,7 @@ def flashattn_bwd_varlen(
                 seq_len_q = cu_seqlens_q[bz + 1] - q_start
                 seq_len_k = cu_seqlens_k[bz + 1] - k_start
                 offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
+                stats0 = stats_start(q_start, bz)  # 16-byte aligned: where TMA boxes start
                 T.copy(K[k_start + key0 : k_start + key0 + block_M, bx // groups, :], K_shared)
                 T.copy(V[k_start + key0 : k_start + key0 + block_M, bx // groups, :], V_shared)
                 T.clear(dk)
@@ -346,13 +370,15 @@ def flashattn_bwd_varlen(
                         clear_accum=True,
                         policy=T.GemmWarpPolicy.FullRow,
                     )
-                    T.copy(lse[bx, q0 : q0 + block_N], lse_shared)
+                    s0 = stats0 + k * block_N  # this query block's first stats column
+                    T.copy(lse[bx, s0 : s0 + block_N], lse_shared)
                     # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
                     for i, j in T.Parallel(block_M, block_N):
                         acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
-                    # Columns past seq_len_q are the next sequence's queries and rows past
+                    # Columns past seq_len_q are the next sequence's queries (their stats
+                    # columns may be the unwritten gap after this sequence) and rows past
                     # seq_len_k its keys: a select (not a product) zeroes them, whatever
-                    # exp2 gave there.
+                    # exp2 gave there, NaN included.
                     if key_tail or k < first_unmasked or (k + 1) * block_N > seq_len_q:
                         for i, j in T.Parallel(block_M, block_N):
                             key = key0 + i
@@ -374,7 +400,7 @@ def flashattn_bwd_varlen(
                     T.copy(acc_s, acc_s_cast)
                     T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
 
-                    T.copy(Delta[bx, q0 : q0 + block_N], delta_shared)
+                    T.copy(Delta[bx, s0 : s0 + block_N], delta_shared)
                     for i, j in T.Parallel(block_M, block_N):
                         ds_cast[i, j] = (
                             acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
@@ -480,9 +506,11 @@ def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
-def stats_len(total_q):
-    """Row length of lse/Delta: total_q rounded up to 4 floats (16 bytes, TMA's stride unit)."""
-    return (total_q + 3) // 4 * 4
+def stats_len(total_q, batch):
+    """Row length of lse/Delta in the aligned layout: each of the ``batch`` sequences starts on a
+    multiple of 4 floats (up to 3 floats of gap each), rounded up to 4 floats (16 bytes, TMA's
+    row-stride unit)."""
+    return (total_q + 3 * batch + 3) // 4 * 4
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device):
@@ -573,11 +601,12 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
-    """out ``[total_q, H, D]`` and lse ``[H, stats_len(total_q)]`` (natural log; the columns past
-    total_q are padding)."""
+    """out ``[total_q, H, D]`` and lse ``[H, stats_len]`` in the aligned stats layout (natural
+    log; the gap columns between sequences are never written)."""
     (total_q, H, D), Hkv = q.shape, k.shape[1]
     out = torch.empty_like(q)
-    lse = torch.empty(H, stats_len(total_q), dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    lse = torch.empty(H, stats_len(total_q, batch), dtype=torch.float32, device=q.device)
     if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
         out.zero_()
         lse.fill_(math.inf)
@@ -589,7 +618,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_
 
 
 def _backward(
-    q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, scale, config
+    q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlens, causal, scale, config
 ):
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
     (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
@@ -598,10 +627,11 @@ def _backward(
     dtype = dtype_name(q)
     cfg = config or default_config(D, causal, device_arch(q.device))
 
-    # Every delta entry, padding included, is written (0 past total_q): the backward multiplies
-    # by it, so no stale NaN may sit there.
-    delta = torch.empty(H, stats_len(total_q), dtype=torch.float32, device=q.device)
-    flashattn_bwd_preprocess(H, D, dtype)(out, dout, delta)
+    # Zeros first: the backward multiplies by delta, masked columns included, so the gap columns
+    # the preprocess never writes must hold no stale NaN.
+    max_seqlen_q, max_seqlen_k = max_seqlens
+    delta = torch.zeros_like(lse)
+    flashattn_bwd_preprocess(H, D, dtype)(out, dout, cu_seqlens_q, max_seqlen_q, delta)
 
     # Every accumulator is a sum of reduce-adds / atomic adds: it starts at zero.
     dq_acc = torch.zeros(H, total_q, D, dtype=torch.float32, device=q.device)
@@ -642,16 +672,16 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.settings = (max_seqlen_k, causal, softmax_scale, config)
+        ctx.settings = ((max_seqlen_q, max_seqlen_k), causal, softmax_scale, config)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        max_seqlen_k, causal, softmax_scale, config = ctx.settings
+        max_seqlens, causal, softmax_scale, config = ctx.settings
         dq, dk, dv = _backward(
             q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_k, causal, softmax_scale, config,
+            max_seqlens, causal, softmax_scale, config,
         )  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None, None
 
