@@ -275,16 +275,18 @@ def sources(script, dim, causal, dtype):
 @pytest.mark.parametrize("script", [MHA_FWD, GQA_BWD])
 def test_forward_code(script):
     """One kernel for every batch: total_q, total_k and the batch arrive as kernel arguments.
-    Q/K/V come by TMA at per-sequence offsets; the output is not a TMA store (it would
-    overwrite the next sequence's rows) but a guarded store, and blocks past a sequence's end
-    leave before issuing a load."""
+    Q/K/V come by TMA at per-sequence offsets; the output leaves by TMA store only from blocks
+    wholly inside their sequence (a box would overwrite the next sequence's rows), by a guarded
+    store otherwise; blocks past a sequence's end leave before issuing a load."""
     src = sources(script, 128, True, "float16")["flashattn_fwd_varlen"]
     signature = src[: src.index("{")]
     for arg in ("int batch", "int max_seqlen_q", "int total_q"):
         assert arg in signature, arg
     for tensor in ("Q", "K", "V"):
         assert f"tl::tma_load({tensor}_desc" in src, tensor
-    assert "tma_store" not in src
+    store = re.search(r"if \(\(+.*\) <= seq_len_q\) \{\n[^}]*tl::tma_store\(Output_desc", src)
+    assert store, "the TMA store must sit under the whole-block test"
+    assert re.search(r"\} else \{(?:(?!tma_store).)*?\*\(uint4\*\)\(Output \+", src, re.S)
     first_load = src.index("tma_load(")
     assert re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_q\)", src[:first_load])
 

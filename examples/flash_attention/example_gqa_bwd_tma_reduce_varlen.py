@@ -205,11 +205,16 @@ def flashattn_fwd_varlen(
                 # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
                 for i, j in T.Parallel(block_M, dim):
                     acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-                # Through shared memory for wide, coalesced stores; only this sequence's rows.
+                # Through shared memory. A block wholly inside the sequence leaves by one TMA
+                # store; the sequence's last, partial block by a guarded store of its own rows
+                # (a TMA box would overwrite the next sequence's first rows).
                 T.copy(acc_o, O_shared)
-                for i, j in T.Parallel(block_M, dim):
-                    if row0 + i < seq_len_q:
-                        Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                if row0 + block_M <= seq_len_q:
+                    T.copy(O_shared, Output[q_start + row0 : q_start + row0 + block_M, by, :])
+                else:
+                    for i, j in T.Parallel(block_M, dim):
+                        if row0 + i < seq_len_q:
+                            Output[q_start + row0 + i, by, j] = O_shared[i, j]
                 for i in T.Parallel(block_M):
                     if row0 + i < seq_len_q:
                         lse[by, lse_start + row0 + i] = T.if_then_else(

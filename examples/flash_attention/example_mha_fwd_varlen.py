@@ -21,8 +21,10 @@ at a time, TMA loads, WGMMA GEMMs, warp specialization) with three changes:
   runs past the end of its sequence reads the next sequence's rows (or zeros past the tensor):
   keys past ``seq_len_k`` are masked to -inf before the softmax and query rows past
   ``seq_len_q`` are never stored, so no other sequence leaks in;
-- the output is written row by row under a guard (a TMA store would overwrite the next
-  sequence's rows), and ``lse`` is ``[H, total_q]`` as in FlashAttention's varlen API.
+- the output of a query block wholly inside its sequence leaves by one TMA store, as in the
+  dense kernel; the sequence's last, partial block is written row by row under a guard (its
+  TMA box would overwrite the next sequence's first rows). ``lse`` is ``[H, total_q]``, as in
+  FlashAttention's varlen API.
 
 ``total_q``, ``total_k`` and ``B`` are TileLang dynamic dimensions (``T.dynamic``) and
 ``max_seqlen_q`` a scalar argument, so one compiled kernel serves every batch: only the head
@@ -178,11 +180,16 @@ def flashattn_fwd_varlen(
                 # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
                 for i, j in T.Parallel(block_M, dim):
                     acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-                # Through shared memory for wide, coalesced stores; only this sequence's rows.
+                # Through shared memory. A block wholly inside the sequence leaves by one TMA
+                # store; the sequence's last, partial block by a guarded store of its own rows
+                # (a TMA box would overwrite the next sequence's first rows).
                 T.copy(acc_o, O_shared)
-                for i, j in T.Parallel(block_M, dim):
-                    if row0 + i < seq_len_q:
-                        Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                if row0 + block_M <= seq_len_q:
+                    T.copy(O_shared, Output[q_start + row0 : q_start + row0 + block_M, by, :])
+                else:
+                    for i, j in T.Parallel(block_M, dim):
+                        if row0 + i < seq_len_q:
+                            Output[q_start + row0 + i, by, j] = O_shared[i, j]
                 for i in T.Parallel(block_M):
                     if row0 + i < seq_len_q:
                         lse[by, q_start + row0 + i] = T.if_then_else(
