@@ -58,7 +58,7 @@ def prebuild(build, shapes):
 
 
 def build_forward(mha, B, H, S, D, causal, dtype):
-    cfg = mha.default_config(D, causal, mha.device_arch("cuda"))
+    cfg = mha.default_config(D, causal, mha.device_arch("cuda"), S)
     mha.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
 
 

@@ -120,6 +120,27 @@ def test_default_config_builds_for_sm90_with_wgmma_and_tma(script, dim, causal):
     assert "tma_load" in src, "T.copy of global tiles should lower to TMA loads on sm_90a"
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_short_causal_d64_runs_two_blocks_per_sm(script):
+    """D=64 causal with at most 1024 keys: 64-row tiles, two thread blocks per SM — the launch
+    bounds ask for two, the warpgroups' registers (24 + 232 per thread) and the shared memory
+    of two blocks fit one SM (65536 registers, 228 KB)."""
+    import harness
+
+    mod = load_script(script)
+    assert mod.default_config(64, True, "sm_90a", 2048)["threads"] == 384  # longer: 192 rows
+    assert mod.default_config(64, False, "sm_90a", 1024)["threads"] == 384  # not causal
+    cfg = mod.default_config(64, True, "sm_90a", 1024)
+    assert cfg["min_blocks"] == 2 and cfg["threads"] == 128
+    heads = (8, 2) if script == GQA else (8,)
+    args = (2, *heads, 1000, 1000, 64, True, 0.125, "float16")
+    kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
+    src = kernel.get_kernel_source()
+    assert "__launch_bounds__(256, 2)" in src
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<232>" in src
+    assert 2 * harness.dynamic_smem_bytes(kernel) <= 228 * 1024 - 2 * 1024  # 1 KB reserved/block
+
+
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_tune_space_builds_for_sm90(dim):
     import harness
