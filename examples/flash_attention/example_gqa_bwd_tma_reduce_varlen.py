@@ -518,10 +518,23 @@ def stats_len(total_q, batch):
     return (total_q + 3 * batch + 3) // 4 * 4
 
 
+def _host_values(cu):
+    """``cu``'s values as a Python list. Reading them makes the host wait for the GPU, which
+    costs more than a short kernel, so they are kept on the tensor itself for its next call (a
+    model passes the same ``cu_seqlens`` to every layer); an in-place change bumps the tensor's
+    version counter and forces a fresh read."""
+    kept = getattr(cu, "_host_values", None)
+    if kept is not None and kept[0] == cu._version:
+        return kept[1]
+    values = cu.tolist()
+    cu._host_values = (cu._version, values)
+    return values
+
+
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device):
     """int32, 1-D of one length B + 1, on q's device, 0 first, non-decreasing, last = token
-    count. Returns the per-sequence lengths of each. The values must be seen to be checked:
-    one device→host copy for both."""
+    count. Returns the per-sequence lengths of each. The values must be seen to be checked,
+    on every call; they are read from the device once per tensor (``_host_values``)."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -536,7 +549,7 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device):
             f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
-    both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+    both = _host_values(cu_seqlens_q) + _host_values(cu_seqlens_k)
     batch = cu_seqlens_q.shape[0] - 1
     checks = (
         ("cu_seqlens_q", both[: batch + 1], total_q),
@@ -707,7 +720,8 @@ def attention_varlen(
     conventions): ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]`` (fp16/bf16, CUDA),
     ``cu_seqlens_q/k`` int32 ``[B + 1]`` on the same device, ``max_seqlen_q/k`` Python ints →
     ``out [total_q, H, D]``. ``config`` overrides the backward tiles (see ``default_config``).
-    The inputs are validated, which reads ``cu_seqlens`` back to the host once per call.
+    The inputs are validated, which reads each ``cu_seqlens`` tensor back to the host once
+    (see ``_host_values``).
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
