@@ -59,7 +59,8 @@ def prebuild(build, shapes):
 
 def build_forward(mha, B, H, S, D, causal, dtype):
     cfg = mha.default_config(D, causal, mha.device_arch("cuda"), S)
-    mha.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count  # as attention() passes
+    mha.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg, num_sms=num_sms)
 
 
 def build_backward(bwd, B, H, S, D, causal, dtype):

@@ -120,25 +120,71 @@ def test_default_config_builds_for_sm90_with_wgmma_and_tma(script, dim, causal):
     assert "tma_load" in src, "T.copy of global tiles should lower to TMA loads on sm_90a"
 
 
+def _grid_size(tir) -> int:
+    import re
+
+    return int(re.search(r'thread_binding\((\d+), thread="blockIdx.x"\)', tir.script()).group(1))
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_short_causal_d64_runs_two_blocks_per_sm(script):
-    """D=64 causal with at most 1024 keys: 64-row tiles, two thread blocks per SM — the launch
-    bounds ask for two, the warpgroups' registers (24 + 232 per thread) and the shared memory
-    of two blocks fit one SM (65536 registers, 228 KB)."""
+@pytest.mark.parametrize(
+    "dim,causal,seq_len,threads,consumer_regs",
+    [
+        (64, False, 1024, 512, 160),  # three consumer warpgroups (192 rows) + the producer
+        (64, True, 4096, 512, 160),
+        (64, True, 2048, 384, 240),  # causal, Sk <= 2048: 128 rows (see default_config)
+        (128, True, 4096, 384, 240),
+        (256, False, 4096, 384, 240),
+    ],
+)
+def test_warp_specialized_layout(script, dim, causal, seq_len, threads, consumer_regs):
+    """Producer warpgroup with 24 registers, consumers with what is left of the 64K register
+    file (at most 240), one thread block per SM, shared memory within an SM's 227 KB."""
     import harness
 
     mod = load_script(script)
-    assert mod.default_config(64, True, "sm_90a", 2048)["threads"] == 384  # longer: 192 rows
-    assert mod.default_config(64, False, "sm_90a", 1024)["threads"] == 384  # not causal
-    cfg = mod.default_config(64, True, "sm_90a", 1024)
-    assert cfg["min_blocks"] == 2 and cfg["threads"] == 128
+    cfg = mod.default_config(dim, causal, "sm_90a", seq_len)
     heads = (8, 2) if script == GQA else (8,)
-    args = (2, *heads, 1000, 1000, 64, True, 0.125, "float16")
+    args = (2, *heads, 1000, 1000, dim, causal, 0.125, "float16")
     kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
     src = kernel.get_kernel_source()
-    assert "__launch_bounds__(256, 2)" in src
-    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<232>" in src
-    assert 2 * harness.dynamic_smem_bytes(kernel) <= 228 * 1024 - 2 * 1024  # 1 KB reserved/block
+    assert f"__launch_bounds__({threads}, 1)" in src
+    assert "warpgroup_reg_dealloc<24>" in src
+    assert f"warpgroup_reg_alloc<{consumer_regs}>" in src
+    assert (threads - 128) * consumer_regs + 128 * 24 <= 65536
+    assert harness.dynamic_smem_bytes(kernel) <= 227 * 1024
+    assert src.count("wait_wgmma<1>") >= 1, "QKᵀ of block k overlaps PV of block k-1"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_persistent_grid(script):
+    """One thread block per SM, fewer when there are fewer work units: tiles, or (causal, more
+    tiles than SMs) pairs of tiles."""
+    mod = load_script(script)
+    heads = (8, 2) if script == GQA else (8,)
+    cfg = dict(block_M=128, block_N=128, num_stages=2)
+
+    def grid(B, S, causal, num_sms):
+        tir = mod.flashattn_fwd.get_tir(
+            B, *heads, S, S, 128, causal, 0.125, "float16", **cfg, num_sms=num_sms
+        )
+        return _grid_size(tir)
+
+    assert grid(4, 4096, False, 132) == 132  # 1024 tiles
+    assert grid(4, 4096, True, 114) == 114  # 512 pairs; an H100 PCIe has 114 SMs
+    assert grid(1, 1000, False, 132) == 8 * 8  # 8 heads x 8 query blocks
+    assert grid(1, 1000, True, 132) == 8 * 8  # as many tiles as SMs or fewer: no pairs
+    assert grid(3, 1000, True, 132) == 3 * 8 * 4  # 192 tiles: 96 pairs
+
+
+def test_hopper_only():
+    """Another arch: a clear error from default_config and from --compile-only."""
+    mod = load_script(BSHD)
+    with pytest.raises(ValueError, match="Hopper"):
+        mod.default_config(128, False, "sm_100a")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--compile-only", "--arch", "sm_100a"])
+    assert exc.value.code == 2  # argparse's usage error
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256])
@@ -246,6 +292,15 @@ def _gpu_cases():
         (GQA, 1, 1000, 255, 8, 1, 64, True, bf16, 1),
         (GQA, 2, 1000, 1000, 8, 2, 128, True, bf16, 10),
     ]
+    # Persistent schedule: many tiles per thread block; causal pairs that straddle heads (an odd
+    # number of query blocks a head); Sq < Sk; each head dim.
+    cases += [
+        (BSHD, 3, 640, 640, 33, 33, 128, True, bf16, 1),
+        (BSHD, 2, 1000, 1000, 40, 40, 64, False, f16, 1),
+        (BSHD, 2, 1000, 1000, 40, 40, 256, True, f16, 1),
+        (BHSD, 2, 700, 1000, 24, 24, 128, True, f16, 1),
+        (GQA, 2, 1000, 1000, 32, 4, 64, True, bf16, 1),
+    ]
     return cases
 
 
@@ -272,6 +327,25 @@ def test_forward_matches_reference(case, poisoned_empty):
     if causal and Sq > Sk:  # rows that see no key: exactly 0 and +inf, never NaN
         rows = out[:, :, : Sq - Sk] if script == BHSD else out[:, : Sq - Sk]
         assert torch.all(rows == 0) and torch.all(torch.isposinf(lse[:, :, : Sq - Sk]))
+
+
+def _tune_cases():
+    mod = load_script(BSHD)
+    return [(dim, cfg) for dim in (64, 128, 256) for cfg in mod.tune_configs(dim)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,cfg", _tune_cases(), ids=lambda x: str(x))
+def test_tune_space_is_correct(dim, cfg):
+    """Every configuration --tune may pick gives the right answer (ragged, causal, Sq != Sk)."""
+    from helpers import rel_err
+
+    mod = load_script(BSHD)
+    q, k, v = make_inputs(BSHD, 2, 300, 333, 3, 3, dim, torch.float16, "cuda")
+    out, lse = mod.attention(q, k, v, causal=True, return_lse=True, config=cfg)
+    ref_out, ref_lse = mod.ref_program(q, k, v, causal=True, return_lse=True)
+    assert rel_err(out, ref_out) < 1e-2  # fp16 output (GUIDE §2)
+    assert rel_err(lse, ref_lse) < 1e-4
 
 
 @pytest.mark.gpu

@@ -59,7 +59,7 @@ def flashattn_fwd(
     num_stages=1,
     threads=256,
 ):
-    """The GQA forward of example_gqa_fwd_bshd.py, with separate Q/K and V head dims."""
+    """The GQA online-softmax forward (T.Pipelined), with separate Q/K and V head dims."""
     groups = heads // heads_kv
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score

@@ -14,8 +14,9 @@ Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key r
 lengths may differ per sequence. ``max_seqlen_q`` (a Python int, at least the longest query
 sequence) sizes the launch grid; ``max_seqlen_k`` is taken for FlashAttention compatibility.
 
-The kernel is the dense forward of example_gqa_fwd_bshd.py (online softmax over ``block_N`` keys
-at a time, TMA loads, WGMMA GEMMs, warp specialization) with three changes:
+The kernel is the dense forward (online softmax over ``block_N`` keys at a time, TMA loads,
+WGMMA GEMMs, warp specialization by ``T.Pipelined``; example_gqa_fwd_bshd.py writes that schedule
+out by hand and makes it persistent) with three changes:
 
 - the grid is ``(ceil(max_seqlen_q / block_M), H, B)``; each block reads its sequence's start and
   length from ``cu_seqlens`` and exits at once when its query block lies past the sequence end,

@@ -2,16 +2,22 @@
 
 Computes ``O = softmax(Q Kᵀ · scale) V`` for ``q [B, H, Sq, D]`` and ``k, v [B, H, Sk, D]``
 (heads before sequence, the layout of ``torch.nn.functional.scaled_dot_product_attention``)
-without ever materialising the Sq×Sk score matrix: each thread block owns ``block_M`` query rows,
-streams K and V through shared memory ``block_N`` keys at a time and keeps a running (online)
-softmax — the row maximum ``scores_max`` and the row sum ``logsum`` — so the output is rescaled as
-larger scores arrive. It also returns the log-sum-exp ``lse`` of each row, which the backward pass
+without ever materialising the Sq×Sk score matrix: each tile of ``block_M`` query rows streams K
+and V through shared memory ``block_N`` keys at a time and keeps a running (online) softmax — the
+row maximum ``scores_max`` and the row sum ``logsum`` — so the output is rescaled as larger scores
+arrive. It also returns the log-sum-exp ``lse`` of each row, which the backward pass
 needs.
 
-What it shows on Hopper: ``T.copy`` of a tile from global memory becomes a TMA load, ``T.gemm`` on
-shared-memory operands becomes WGMMA, and ``T.Pipelined`` lets TileLang split the block into a
-producer warpgroup that issues the TMA loads and consumer warpgroups that run the GEMMs and the
-softmax (warp specialization), with mbarriers between them.
+What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand):
+
+- warp specialization: the last warpgroup is the producer, issuing TMA loads of Q and of K and V
+  into a ``num_stages``-deep ring in shared memory with few registers (``setmaxnreg``); the other
+  warpgroups are consumers, 64 query rows each, running WGMMA and the softmax with many;
+- mbarriers ("full" / "empty" per buffer) are the only handshake between them;
+- intra-warpgroup overlap: a consumer issues S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back as
+  asynchronous WGMMA and runs the softmax of block k while the second one still runs;
+- a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
+  under the current tile's last GEMM and epilogue instead of waiting for a new block to start.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
@@ -30,8 +36,13 @@ import tilelang.language as T
 import torch
 
 LOG2E = 1.4426950408889634
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    # The kernel splits producer and consumers itself (below); no automatic warp specialization.
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+}
 HEAD_DIMS = (64, 128, 256)
+PRODUCER_REGS = 24
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -47,9 +58,8 @@ def flashattn_fwd(
     dtype="float16",
     block_M=128,
     block_N=128,
-    num_stages=1,
-    threads=256,
-    min_blocks=1,
+    num_stages=2,
+    num_sms=132,
 ):
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
@@ -57,6 +67,71 @@ def flashattn_fwd(
     neg_inf = -T.infinity(accum_dtype)
     q_shape = [batch, heads, seq_q, dim]
     kv_shape = [batch, heads, seq_kv, dim]
+    consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
+    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
+    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
+    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+
+    # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
+    # rows of one head), so the producer loads the next tile's Q and K while the consumers
+    # finish the last one. Causal tiles differ in cost; when there are more tiles than SMs they
+    # go in pairs, the heaviest and the lightest query block of a head together (7+0, 6+1, ... of
+    # 8): every pair costs the same and the round-robin deal of pairs stays balanced.
+    num_m_blocks = (seq_q + block_M - 1) // block_M
+    num_tiles = num_m_blocks * heads * batch
+    tiles_per_unit = 2 if causal and num_tiles > num_sms else 1
+    num_units = (num_tiles + tiles_per_unit - 1) // tiles_per_unit
+    grid = min(num_sms, num_units)
+
+    def tile_query_block(t):
+        # Tiles of one head are consecutive, so thread blocks running side by side share K/V in L2.
+        r = t % num_m_blocks
+        if causal:
+            # r even: num_m_blocks - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
+            # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
+            return r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
+        return r
+
+    def key_blocks(m_blk):
+        # Key blocks query block m_blk visits. At least one, even when no row sees a key
+        # (causal, Sq > Sk): the consumers then write O = 0 and lse = +inf as for any empty row.
+        if causal:
+            last_key = (m_blk + 1) * block_M + offset  # one past the last key this block sees
+            return T.max(1, T.min(T.ceildiv(seq_kv, block_N), T.ceildiv(last_key, block_N)))
+        return T.ceildiv(seq_kv, block_N)
+
+    def first_masked_block(m_blk):
+        # Only the ragged tail block (Sk % block_N) and, when causal, the blocks crossing the
+        # diagonal need a mask; every key block before this one is used unmasked.
+        if causal:
+            return T.min(seq_kv // block_N, T.max(0, (m_blk * block_M + offset) // block_N))
+        return seq_kv // block_N
+
+    @T.macro
+    def online_softmax(
+        k, m_blk, first_masked, acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
+    ):
+        # acc_s holds S = Q Kᵀ of key block k: mask it, fold it into the running row max and
+        # row sum, and turn it into P = exp2(S·scale - max·scale).
+        if k >= first_masked:
+            for i, j in T.Parallel(block_M, block_N):
+                key = k * block_N + j
+                visible = key < seq_kv
+                if causal:
+                    visible = visible and key <= m_blk * block_M + i + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # A row that has seen no visible key yet keeps max = -inf; using 0 instead makes
+            # exp2 give 0 rather than NaN (-inf - -inf).
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
 
     @T.prim_func
     def main(
@@ -66,20 +141,10 @@ def flashattn_fwd(
         Output: T.Tensor(q_shape, dtype),
         lse: T.Tensor([batch, heads, seq_q], accum_dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
-            if min_blocks > 1:
-                # Two thread blocks per SM, so one's loads and stores overlap the other's GEMMs.
-                # Each is one producer and one consumer warpgroup (threads=128); the register
-                # file then fits 2 x (128 x 24 + 128 x 232) = 65536 registers.
-                T.annotate_min_blocks_per_sm(min_blocks)
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(232)
-            # Causal: query blocks near the end see the most keys. Launch them first, so the
-            # short blocks fill the tail of the grid instead of leaving SMs idle.
-            m_blk = T.ceildiv(seq_q, block_M) - 1 - bx if causal else bx
+        with T.Kernel(grid, threads=consumers + 128) as cta:
             Q_shared = T.alloc_shared([block_M, dim], dtype)
-            K_shared = T.alloc_shared([block_N, dim], dtype)
-            V_shared = T.alloc_shared([block_N, dim], dtype)
+            K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             O_shared = T.alloc_shared([block_M, dim], dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
             acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
@@ -90,116 +155,201 @@ def flashattn_fwd(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            # Rows past Sq read as zeros (TMA fills out-of-bounds) and are never stored.
-            T.copy(Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :], Q_shared)
-            T.fill(acc_o, 0)
-            T.fill(logsum, 0)
-            T.fill(scores_max, neg_inf)
+            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # arrive and its TMA load completes the byte count; "empty": every consumer thread
+            # arrives when it no longer reads the buffer. K and V stages have a pair each.
+            q_full = T.alloc_barrier(128)
+            q_empty = T.alloc_barrier(consumers)
+            k_full = T.alloc_barrier([128] * num_stages)
+            v_full = T.alloc_barrier([128] * num_stages)
+            k_empty = T.alloc_barrier([consumers] * num_stages)
+            v_empty = T.alloc_barrier([consumers] * num_stages)
+            # Both sides count the key blocks and tiles they have been through, so each knows
+            # which stage (g % num_stages) and barrier phase (g // num_stages) comes next.
+            kv_count = T.alloc_var("int32")
+            tile_count = T.alloc_var("int32")
+            kv_count = 0
+            tile_count = 0
+            n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
+            tx = T.get_thread_binding()
 
-            # Key blocks this query block must visit, and the first one that needs a mask:
-            # only the ragged tail block (Sk % block_N) and, when causal, the blocks that
-            # cross the diagonal. Every block before it is used unmasked.
-            n_blocks = T.ceildiv(seq_kv, block_N)
-            first_masked = seq_kv // block_N
-            if causal:
-                last_key = (m_blk + 1) * block_M + offset  # one past the last key this block sees
-                # At least one (fully masked) block even when no row of this block sees a key
-                # (Sq > Sk): the loop is where the consumers wait for the Q tile's TMA load, and
-                # a load still in flight at exit could land on O_shared, which may share Q's
-                # shared memory.
-                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
-                first_masked = T.min(first_masked, T.max(0, (m_blk * block_M + offset) // block_N))
+            if tx >= consumers:
+                # ----------------------------------------------------------- producer warpgroup
+                T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
+                for it in T.serial(n_iter):
+                    t = (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+                    if t < num_tiles:
+                        m_blk = tile_query_block(t)
+                        by = t // num_m_blocks % heads
+                        bz = t // (num_m_blocks * heads)
+                        n_blocks = key_blocks(m_blk)
+                        # A fresh mbarrier counts as having completed the phase before phase 0,
+                        # so the first wait on an "empty" barrier (parity 1) passes at once.
+                        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
+                        # Rows past Sq read as zeros (TMA fills out-of-bounds), never stored.
+                        T.tma_copy(
+                            Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :],
+                            Q_shared,
+                            barrier=q_full,
+                        )
+                        T.barrier_arrive(q_full)
+                        for k in T.serial(n_blocks):
+                            g = kv_count + k
+                            stage = g % num_stages
+                            phase = (g // num_stages) & 1
+                            T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+                            T.tma_copy(
+                                K[bz, by, k * block_N : (k + 1) * block_N, :],
+                                K_shared[stage, :, :],
+                                barrier=k_full[stage],
+                            )
+                            T.barrier_arrive(k_full[stage])
+                            T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+                            T.tma_copy(
+                                V[bz, by, k * block_N : (k + 1) * block_N, :],
+                                V_shared[stage, :, :],
+                                barrier=v_full[stage],
+                            )
+                            T.barrier_arrive(v_full[stage])
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
+            else:
+                # ---------------------------------------------------------- consumer warpgroups
+                T.set_max_nreg(consumer_regs, 1)
+                for it in T.serial(n_iter):
+                    t = (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+                    if t < num_tiles:
+                        m_blk = tile_query_block(t)
+                        by = t // num_m_blocks % heads
+                        bz = t // (num_m_blocks * heads)
+                        n_blocks = key_blocks(m_blk)
+                        first_masked = first_masked_block(m_blk)
+                        T.fill(acc_o, 0)
+                        T.fill(logsum, 0)
+                        T.fill(scores_max, neg_inf)
+                        T.mbarrier_wait_parity(q_full, tile_count & 1)
 
-            for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                T.copy(K[bz, by, k * block_N : (k + 1) * block_N, :], K_shared)
-                T.gemm(
-                    Q_shared,
-                    K_shared,
-                    acc_s,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                if k >= first_masked:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = k * block_N + j
-                        visible = key < seq_kv
-                        if causal:
-                            visible = visible and key <= m_blk * block_M + i + offset
-                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+                        # Key block 0: S = Q Kᵀ, its softmax; P(0) waits in registers.
+                        stage = kv_count % num_stages
+                        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+                        T.wgmma_gemm(
+                            Q_shared,
+                            K_shared[stage, :, :],
+                            acc_s,
+                            transpose_B=True,
+                            clear_accum=True,
+                            policy=T.GemmWarpPolicy.FullRow,
+                        )
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(k_empty[stage])
+                        online_softmax(
+                            0, m_blk, first_masked, acc_s, scores_max, scores_max_prev,
+                            scores_scale, scores_sum, logsum,
+                        )  # fmt: skip
+                        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-                # Online softmax: new row max, rescale what was accumulated under the old one.
-                T.copy(scores_max, scores_max_prev)
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    # A row that has seen no visible key yet keeps max = -inf; using 0 instead
-                    # makes exp2 give 0 rather than NaN (-inf - -inf).
-                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-                T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of the second GEMM
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
+                        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
+                        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
+                        # P(k-1) V(k-1) still occupies the tensor cores.
+                        for k in T.serial(1, n_blocks):
+                            g = kv_count + k
+                            stage = g % num_stages
+                            prev = (g - 1) % num_stages
+                            T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+                            T.wgmma_gemm(
+                                Q_shared,
+                                K_shared[stage, :, :],
+                                acc_s,
+                                transpose_B=True,
+                                clear_accum=True,
+                                policy=T.GemmWarpPolicy.FullRow,
+                            )
+                            T.wgmma_gemm(
+                                acc_s_cast,
+                                V_shared[prev, :, :],
+                                acc_o,
+                                policy=T.GemmWarpPolicy.FullRow,
+                            )
+                            T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
+                            T.barrier_arrive(k_empty[stage])
+                            online_softmax(
+                                k, m_blk, first_masked, acc_s, scores_max, scores_max_prev,
+                                scores_scale, scores_sum, logsum,
+                            )  # fmt: skip
+                            T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+                            T.barrier_arrive(v_empty[prev])
+                            # Rescale what was accumulated under the old row max.
+                            for i, j in T.Parallel(block_M, dim):
+                                acc_o[i, j] *= scores_scale[i]
+                            T.copy(acc_s, acc_s_cast)
+                        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
+                        T.barrier_arrive(q_empty)
 
-                T.copy(V[bz, by, k * block_N : (k + 1) * block_N, :], V_shared)
-                T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        g = kv_count + n_blocks - 1
+                        stage = g % num_stages
+                        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+                        T.wgmma_gemm(
+                            acc_s_cast,
+                            V_shared[stage, :, :],
+                            acc_o,
+                            policy=T.GemmWarpPolicy.FullRow,
+                        )
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(v_empty[stage])
 
-            # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
-            for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-            T.copy(acc_o, O_shared)
-            T.copy(O_shared, Output[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :])
-            for i in T.Parallel(block_M):
-                if m_blk * block_M + i < seq_q:
-                    lse[bz, by, m_blk * block_M + i] = T.if_then_else(
-                        logsum[i] > 0,
-                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                        T.infinity(accum_dtype),
-                    )
+                        # Normalise; rows with no visible key (logsum = 0) give O = 0, lse = +inf.
+                        for i, j in T.Parallel(block_M, dim):
+                            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+                        T.copy(acc_o, O_shared)
+                        T.copy(O_shared, Output[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :])
+                        for i in T.Parallel(block_M):
+                            if m_blk * block_M + i < seq_q:
+                                lse[bz, by, m_blk * block_M + i] = T.if_then_else(
+                                    logsum[i] > 0,
+                                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                                    T.infinity(accum_dtype),
+                                )
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
 
     return main
 
 
 def default_config(dim, causal, arch="sm_90a", seq_len=None):
     """Tile configuration for a (head dim, causal, arch, key length ``seq_len``), from
-    measurements on an H100 (2026-11-22, 16k tokens a batch, fp16).
+    measurements on an H100 (2026-11-22, 16k tokens a batch, fp16, this persistent kernel).
 
-    Hopper: TileLang adds one producer warpgroup to ``threads``, so 256 threads = two consumer
-    warpgroups of 64 query rows each. D=64 has registers to spare for a third (block_M=192);
-    D=128 measured the same with one or two K/V stages (within noise) and one stage leaves shared
-    memory free; D=256 halves block_N to fit shared memory. These were best at every length but
-    one: D=64 causal at S=1024 (8 key blocks at most per query block) ran 0.76x cuDNN with
-    192-row tiles, 0.84x with 128-row tiles and 0.88x with 64-row tiles at two thread blocks per
-    SM (``min_blocks=2``), where one block's prologue and epilogue hide under the other's GEMMs;
-    from S=2048 on the 192-row tiles are as fast or faster. (The same two-block layout at D=128
-    was within 2% at S=1024 and 3-4% slower at S=4096.) Other archs get a conservative mma.sync
-    config.
+    D=128: 128×128 tiles (two consumer warpgroups), two K/V stages. D=64: 192-row tiles (three
+    consumer warpgroups at 160 registers), except causal with Sk ≤ 2048, where 128-row tiles
+    were much faster (S=1024: 0.99x vs 0.83x cuDNN; S=2048: 0.92-0.97x vs 0.73-0.79x); from
+    S=4096 on the 192-row tiles win (1.00x vs 0.92x). D=256: 64 keys a block and one stage, so
+    Q, K, V and O fit in shared memory (Q and O take 64 KiB each).
     """
-    if arch.startswith("sm_90"):
-        if dim <= 64:
-            if causal and seq_len is not None and seq_len <= 1024:
-                return dict(block_M=64, block_N=128, num_stages=2, threads=128, min_blocks=2)
-            return dict(block_M=192, block_N=128, num_stages=2, threads=384)
-        if dim <= 128:
-            return dict(block_M=128, block_N=128, num_stages=1, threads=256)
-        return dict(block_M=128, block_N=64, num_stages=1, threads=256)
+    if not arch.startswith("sm_90"):
+        raise ValueError(
+            f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg); "
+            "for Blackwell see examples/flash_attention_sm100/"
+        )
+    if dim <= 64:
+        if causal and seq_len is not None and seq_len <= 2048:
+            return dict(block_M=128, block_N=128, num_stages=2)
+        return dict(block_M=192, block_N=128, num_stages=2)
     if dim <= 128:
-        return dict(block_M=128, block_N=64, num_stages=2, threads=256)
-    return dict(block_M=64, block_N=64, num_stages=1, threads=128)
+        return dict(block_M=128, block_N=128, num_stages=2)
+    return dict(block_M=128, block_N=64, num_stages=1)
 
 
 def tune_configs(dim):
-    """The small space ``--tune`` searches: 64 query rows per consumer warpgroup; D=256 keeps
-    to two warpgroups and block_N=64 (a third, or 128 keys, runs out of registers)."""
+    """The small space ``--tune`` searches (64 query rows per consumer warpgroup). D=256 keeps
+    to two consumer warpgroups, 64 keys and one stage (shared memory); D=128 to two warpgroups
+    (a third would have 160 registers for 192 accumulators a thread)."""
     if dim > 128:
-        return [dict(block_M=128, block_N=64, num_stages=st, threads=256) for st in (1, 2)]
+        return [dict(block_M=128, block_N=64, num_stages=1)]
+    rows = (64, 128, 192) if dim <= 64 else (64, 128)
     return [
-        dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
-        for bm, th in ((128, 256), (192, 384))
+        dict(block_M=bm, block_N=bn, num_stages=st)
+        for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
     ]
@@ -256,7 +406,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, confi
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    cfg = config or default_config(D, causal, device_arch(q.device), Sk)
+    cfg = default_config(D, causal, device_arch(q.device), Sk)  # also: is this a Hopper GPU?
+    cfg = config or cfg
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -264,7 +416,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, confi
         out.zero_()
         lse.fill_(math.inf)
     elif out.numel() > 0:
-        kernel = flashattn_fwd(B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg)
+        kernel = flashattn_fwd(
+            B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg, num_sms=num_sms
+        )
         kernel(q, k, v, out, lse)
     return (out, lse) if return_lse else out
 
@@ -301,8 +455,10 @@ def tune(q, k, v, causal, softmax_scale):
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
 
-    def program(block_M, block_N, num_stages, threads):
-        cfg = dict(block_M=block_M, block_N=block_N, num_stages=num_stages, threads=threads)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+
+    def program(block_M, block_N, num_stages):
+        cfg = dict(block_M=block_M, block_N=block_N, num_stages=num_stages, num_sms=num_sms)
         return flashattn_fwd.get_tir(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
 
     tuner = AutoTuner.from_kernel(kernel=program, configs=tune_configs(D))
@@ -330,14 +486,18 @@ def build_parser():
 
 def main(argv=None):
     harness = _harness()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
     Sk = args.seq_len_k or Sq
     scale = 1.0 / math.sqrt(D)
     script = pathlib.Path(__file__).name
 
     if args.compile_only:
-        cfg = default_config(D, args.causal, args.arch, Sk)
+        try:
+            cfg = default_config(D, args.causal, args.arch, Sk)
+        except ValueError as err:
+            parser.error(str(err))
         kernel = harness.compile_for(
             flashattn_fwd, args.arch, B, H, Sq, Sk, D, args.causal, scale, args.dtype, **cfg
         )
@@ -345,7 +505,7 @@ def main(argv=None):
         print(harness.describe_source("flashattn_fwd", kernel.get_kernel_source()))
         return
 
-    harness.require_gpu(script)
+    harness.require_gpu(script, capability=(9, 0))
     dtype = harness.DTYPES[args.dtype]
     torch.manual_seed(0)
     q = torch.randn(B, H, Sq, D, device="cuda", dtype=dtype)
