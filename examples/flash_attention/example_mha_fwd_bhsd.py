@@ -59,7 +59,7 @@ def flashattn_fwd(
     block_M=128,
     block_N=128,
     num_stages=2,
-    num_sms=132,
+    num_sms=132,  # an H100 SXM's; attention() passes the device's own count
 ):
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
@@ -73,8 +73,8 @@ def flashattn_fwd(
     consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
     # O leaves through shared memory and one TMA store when Q, the K/V ring and O all fit in the
     # 227 KiB an SM gives a block (D ≤ 128); otherwise (D=256) straight from registers.
-    tile_bytes = 2 * dim * (block_M + 2 * num_stages * block_N)
-    o_via_smem = tile_bytes + 2 * dim * block_M <= 227 * 1024
+    q_kv_bytes = 2 * dim * (block_M + 2 * num_stages * block_N)  # 16-bit elements
+    o_via_smem = q_kv_bytes + 2 * dim * block_M <= 227 * 1024
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
