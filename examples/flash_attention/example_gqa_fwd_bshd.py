@@ -91,14 +91,21 @@ def flashattn_fwd(
     num_units = (num_tiles + tiles_per_unit - 1) // tiles_per_unit
     grid = min(num_sms, num_units)
 
-    def tile_query_block(t):
-        # Tiles of one head are consecutive, so thread blocks running side by side share K/V in L2.
+    def tile_index(cta, it):
+        # The it-th tile of thread block cta: units dealt round-robin, a unit's tiles in a row.
+        # Only the very last unit can be short (t >= num_tiles: no tile).
+        return (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+
+    def tile_coords(t):
+        # (query block, head, batch) of tile t. Tiles of one head are consecutive, so thread
+        # blocks running side by side share K/V in L2.
         r = t % num_m_blocks
+        m_blk = r
         if causal:
             # r even: num_m_blocks - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
             # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
-            return r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
-        return r
+            m_blk = r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
+        return m_blk, t // num_m_blocks % heads, t // (num_m_blocks * heads)
 
     def key_blocks(m_blk):
         # Key blocks query block m_blk visits. At least one, even when no row sees a key
@@ -186,11 +193,9 @@ def flashattn_fwd(
                 # ----------------------------------------------------------- producer warpgroup
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
                 for it in T.serial(n_iter):
-                    t = (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+                    t = tile_index(cta, it)
                     if t < num_tiles:
-                        m_blk = tile_query_block(t)
-                        by = t // num_m_blocks % heads
-                        bz = t // (num_m_blocks * heads)
+                        m_blk, by, bz = tile_coords(t)
                         n_blocks = key_blocks(m_blk)
                         # A fresh mbarrier counts as having completed the phase before phase 0,
                         # so the first wait on an "empty" barrier (parity 1) passes at once.
@@ -226,11 +231,9 @@ def flashattn_fwd(
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
                 for it in T.serial(n_iter):
-                    t = (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+                    t = tile_index(cta, it)
                     if t < num_tiles:
-                        m_blk = tile_query_block(t)
-                        by = t // num_m_blocks % heads
-                        bz = t // (num_m_blocks * heads)
+                        m_blk, by, bz = tile_coords(t)
                         n_blocks = key_blocks(m_blk)
                         first_masked = first_masked_block(m_blk)
                         T.fill(acc_o, 0)
