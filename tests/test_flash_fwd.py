@@ -2,6 +2,7 @@
 GUIDE §2 correctness matrix on a GPU (marker ``gpu``)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -121,8 +122,6 @@ def test_default_config_builds_for_sm90_with_wgmma_and_tma(script, dim, causal):
 
 
 def _grid_size(tir) -> int:
-    import re
-
     return int(re.search(r'thread_binding\((\d+), thread="blockIdx.x"\)', tir.script()).group(1))
 
 
