@@ -1,38 +1,66 @@
-"""FlashAttention backward for Hopper, software-pipelined over WGMMA (BSHD, multi-head, TileLang).
+"""FlashAttention backward for Hopper with FlashAttention-3's schedule written out by hand
+(BSHD, multi-head, TileLang).
 
-The same differentiable ``attention(q, k, v)`` as example_mha_bwd_bshd.py (``q [B, Sq, H, D]``,
-``k, v [B, Sk, H, D]``; forward saving ``lse``, natural log, ``+inf`` for rows that see no key;
-backward as preprocess ``delta = rowsum(O ∘ dO)``, one backward kernel per (key block, head,
-batch) with dK and dV in registers and dQ added atomically into a float32 buffer, and a dQ
-postprocess). Read that script first: this one differs only inside the backward kernel's loop.
+Computes the gradients of ``O = softmax(Q Kᵀ · scale) V`` for ``q [B, Sq, H, D]`` and
+``k, v [B, Sk, H, D]``: with ``P`` the attention probabilities (rebuilt from the forward's
+log-sum-exp ``lse``) and ``delta = rowsum(O ∘ dO)``,
 
-What differs. A plain ``T.gemm`` on Hopper issues its WGMMA and waits for it before the next
-statement runs, so each query step is a chain: GEMM, wait, exp, GEMM, wait, ... Here the two
-score GEMMs of a step, ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ``, are independent, so both are issued
-with ``T.wgmma_gemm`` (no implicit wait) back to back; ``T.wait_wgmma(1)`` then waits for the
-first only, and the exponentials ``Pᵀ = exp2(Sᵀ·scale − lse)`` run on the CUDA cores while the
-tensor cores still compute ``dPᵀ``. The tile configuration leans the same way: 256 threads (two
-consumer warpgroups, 64 keys each, plus the producer warpgroup that TileLang adds for the TMA
-loads) and two stages, so the next Q/dO tile is in flight while this one is used.
+    dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP − delta),   dQ = scale · dS K,   dK = scale · dSᵀ Q.
 
-What stays synchronous, and why: the GEMMs that read a pipelined Q or dO stage for the last time
-(``dV += Pᵀ dO`` and ``dK += dSᵀ Q``). TileLang hands a stage back to the producer right after
-its last reader is *issued*; were that reader asynchronous, the TMA load of the step after next
-could overwrite the stage while the WGMMA still reads it.
+It is the same algorithm as example_mha_bwd_bshd.py (read that one first: one thread block per
+block of keys, dK and dV held in registers while the block walks over the queries, dQ summed
+over key blocks in float32). That script lets TileLang pipeline the loop; this one writes the
+schedule out, and the difference is where the time goes (README, "Backward").
 
-What it buys, measured (H100 80GB HBM3, 2026-11-22, backward alone, B4 S4096 fp16, the same
-128×64 tiles, two rounds, medians): nothing measurable yet. D128: 386 TFLOP/s here against 389
-for example_mha_bwd_bshd.py (causal 346 against 340); D64: 339 against 341 (causal 298 against
-304) — differences inside the run-to-run noise of ~2%. Both beat SDPA FLASH (FA2: 302, causal
-282) and trail cuDNN (483, causal 439). The overlap it sets up is real in the generated code
-(``wait_wgmma<1>``); our reading is that with two consumer warpgroups the other warpgroup
-already keeps the tensor cores busy while one computes its exponentials. At the smaller 128×32
-step it was ahead by 2.5% (316 against 308 TFLOP/s), about the size of the noise. Kept as the
-lesson in how asynchronous WGMMA is written in TileLang, not as the faster kernel.
+The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
 
-Head dims 64 and 128; fp16 and bf16; any Sq, Sk (an empty
-sequence launches nothing); causal aligned bottom-right (query ``i``
-sees key ``j`` when ``j <= i + Sk − Sq``; rows that see no key get ``O = 0`` and ``dQ = 0``).
+- Producer warpgroup (24 registers, ``setmaxnreg``). Warp 0 loads K and V once, then, per
+  step, the next ``block_N`` queries' Q (with their ``lse``) and dO (with their ``delta``) by TMA
+  into a ``num_stages``-deep ring; each buffer has a "full" mbarrier (the TMA load's bytes
+  complete it) and an "empty" one (the consumers arrive when they no longer read it). Warp 1
+  waits until the consumers have put this step's dQ tile in shared memory and adds it into the
+  float32 dQ accumulator in global memory with one TMA reduce-add (``cp.reduce.async.bulk``),
+  off the consumers' path.
+- Two consumer warpgroups (240 registers), 64 keys each, dK and dV in registers. Every score
+  tile is transposed (rows are keys): one step is the chain
+
+      issue Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (asynchronous WGMMA, back to back)
+      wait_wgmma(1)    Sᵀ is ready:  Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e)  (dPᵀ still running)
+      wait_wgmma(0)    dSᵀ = Pᵀ ∘ (dPᵀ − delta); Pᵀ, dSᵀ to 16 bits; dSᵀ to shared memory
+      issue dV += Pᵀ dO            (Pᵀ straight from registers)
+      fence + named barrier        both warpgroups' halves of dSᵀ are in shared memory
+      issue dQ = dS K              (dS from shared memory: it needs all 128 keys)
+      wait_wgmma(1)    dV is done: release the dO buffer
+      issue dK += dSᵀ Q            (dSᵀ from registers)
+      wait_wgmma(1)    dQ is done: into shared memory for the producer's reduce-add
+      wait_wgmma(0)    dK is done: release the Q buffer
+
+  so the exponentials run under the dPᵀ GEMM, and the dQ GEMM, its hand-off and the dK GEMM
+  overlap. dSᵀ is double-buffered in shared memory, so the one barrier per step is enough: a
+  warpgroup writes buffer ``i % 2`` at step ``i`` only after both passed step ``i − 1``'s
+  barrier, that is, after both finished step ``i − 2``'s dQ GEMM, the last reader of that buffer.
+- A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
+  units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
+  get P = 0 without a mask, and every TMA box starts 16-byte aligned); one after
+  (``flash_bwd_post``) scales the float32 dQ and converts it to the input dtype.
+
+TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
+(no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
+inserted behind the kernel's back: it synchronises with mbarriers and one named barrier), and
+``T.wgmma_gemm`` / ``T.wait_wgmma(n)`` (issue a GEMM without waiting; wait until at most ``n``
+issued GEMMs are still running — they retire in order).
+
+The forward pass of ``attention`` is the persistent, warp-specialized forward of
+example_mha_fwd_bshd.py, imported from beside this file (a sibling script, as bert_padding.py is
+for the varlen scripts), so a training step runs the fast forward and the fast backward.
+
+Head dims 64 and 128; fp16 and bf16; any Sq, Sk (an empty sequence launches nothing); causal
+aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk − Sq``; rows that see no key
+get ``O = 0`` and ``dQ = 0``).
+
+API: ``attention(q, k, v, causal=False, softmax_scale=None, config=None)`` → ``out``,
+differentiable (``torch.autograd``); ``softmax_scale`` defaults to ``1/sqrt(D)``; ``config``
+overrides the backward tiles (``default_config``).
 
 Run:
     python examples/flash_attention/example_mha_bwd_wgmma_pipelined.py --causal
@@ -48,141 +76,46 @@ import tilelang
 import tilelang.language as T
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_mha_fwd_bshd as fwd  # noqa: E402  (the sibling forward script)
+
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+# The backward kernel splits producer and consumers and synchronises them itself.
+BWD_PASS_CONFIGS = {
+    **PASS_CONFIGS,
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+}
 HEAD_DIMS = (64, 128)
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+# Named barrier for the two consumer warpgroups (ids below 8 are left to TileLang's own passes).
+DS_READY = 8
 
 
-# ----------------------------------------------------------------------------- forward kernel
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_fwd(
-    batch,
-    heads,
-    seq_q,
-    seq_kv,
-    dim,
-    causal,
-    softmax_scale,
-    dtype="float16",
-    block_M=128,
-    block_N=128,
-    num_stages=1,
-    threads=256,
-):
-    """The online-softmax forward (T.Pipelined), saving ``lse`` for the backward."""
-    accum_dtype = "float32"
-    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
-    offset = seq_kv - seq_q  # bottom-right causal alignment
-    neg_inf = -T.infinity(accum_dtype)
-    q_shape = [batch, seq_q, heads, dim]
-    kv_shape = [batch, seq_kv, heads, dim]
-
-    @T.prim_func
-    def main(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(kv_shape, dtype),
-        V: T.Tensor(kv_shape, dtype),
-        Output: T.Tensor(q_shape, dtype),
-        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
-    ):
-        with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
-            K_shared = T.alloc_shared([block_N, dim], dtype)
-            V_shared = T.alloc_shared([block_N, dim], dtype)
-            O_shared = T.alloc_shared([block_M, dim], dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
-            scores_max = T.alloc_fragment([block_M], accum_dtype)
-            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
-            scores_scale = T.alloc_fragment([block_M], accum_dtype)
-            scores_sum = T.alloc_fragment([block_M], accum_dtype)
-            logsum = T.alloc_fragment([block_M], accum_dtype)
-
-            T.copy(Q[bz, bx * block_M : (bx + 1) * block_M, by, :], Q_shared)
-            T.fill(acc_o, 0)
-            T.fill(logsum, 0)
-            T.fill(scores_max, neg_inf)
-
-            # Key blocks this query block visits, and the first that needs a mask (the ragged
-            # tail of Sk and, when causal, the blocks crossing the diagonal).
-            n_blocks = T.ceildiv(seq_kv, block_N)
-            first_masked = seq_kv // block_N
-            if causal:
-                last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                # At least one (fully masked) block even when no row of this block sees a key
-                # (Sq > Sk): the loop is where the consumers wait for the Q tile's TMA load, and
-                # a load still in flight at exit could land on O_shared.
-                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
-                first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
-
-            for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                T.copy(K[bz, k * block_N : (k + 1) * block_N, by, :], K_shared)
-                T.gemm(
-                    Q_shared,
-                    K_shared,
-                    acc_s,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                if k >= first_masked:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = k * block_N + j
-                        visible = key < seq_kv
-                        if causal:
-                            visible = visible and key <= bx * block_M + i + offset
-                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-                T.copy(scores_max, scores_max_prev)
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    # max = -inf (no visible key yet) becomes 0 so exp2 gives 0, not NaN
-                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-                T.copy(acc_s, acc_s_cast)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
-
-                T.copy(V[bz, k * block_N : (k + 1) * block_N, by, :], V_shared)
-                T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-            # Rows with no visible key (logsum = 0): O = 0 and lse = +inf, so that the backward's
-            # exp(s - lse) is 0 for them.
-            for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-            T.copy(acc_o, O_shared)
-            T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
-            for i in T.Parallel(block_M):
-                if bx * block_M + i < seq_q:
-                    lse[bz, by, bx * block_M + i] = T.if_then_else(
-                        logsum[i] > 0,
-                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                        T.infinity(accum_dtype),
-                    )
-
-    return main
+def padded_len(seq_q, block_N):
+    """Length of the padded ``lse``/``delta`` rows: whole query blocks."""
+    return (seq_q + block_N - 1) // block_N * block_N
 
 
 # ----------------------------------------------------------------------------- backward kernels
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
-    """delta[b, h, i] = Σ_d O[b, i, h, d] · dO[b, i, h, d], in float32."""
+def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64):
+    """delta = Σ_d O ∘ dO and lse2 = lse · log2 e per query row, padded to ``seq_q_pad`` rows
+    (padding: delta 0, lse2 +inf)."""
     accum_dtype = "float32"
     shape = [batch, seq_q, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
-        Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+        lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(seq_q_pad, block), heads, batch, threads=128) as (bx, by, bz):
             out_frag = T.alloc_fragment([block, dim], dtype)
             dout_frag = T.alloc_fragment([block, dim], dtype)
             prod = T.alloc_fragment([block, dim], accum_dtype)
@@ -194,13 +127,20 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
                     dout_frag[i, j], accum_dtype
                 )
             T.reduce_sum(prod, delta, dim=1)
-            T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
+            for i in T.Parallel(block):
+                row = bx * block + i
+                if row < seq_q:
+                    Delta[bz, by, row] = delta[i]
+                    lse2[bz, by, row] = lse[bz, by, row] * LOG2E
+                else:
+                    Delta[bz, by, row] = 0
+                    lse2[bz, by, row] = T.infinity(accum_dtype)
 
-    return main
+    return flash_bwd_prep
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd(
+@tilelang.jit(pass_configs=BWD_PASS_CONFIGS)
+def flash_bwd(
     batch,
     heads,
     seq_q,
@@ -210,204 +150,294 @@ def flashattn_bwd(
     softmax_scale,
     dtype="float16",
     block_M=128,
-    block_N=32,
+    block_N=64,
     num_stages=2,
-    threads=256,
+    dq_transposed=False,
 ):
-    """One thread block per (block_M keys, head, batch), looping over blocks of block_N queries.
+    """One thread block per (block_M keys, head, batch); the schedule of the module docstring.
 
-    Every score tile here is transposed (rows are keys, columns queries): ``acc_s`` holds Sᵀ and
-    then Pᵀ, ``acc_dp`` holds dPᵀ, ``ds_cast`` dSᵀ.
+    Score tiles are transposed (rows are keys, columns queries): ``acc_s`` holds Sᵀ then Pᵀ,
+    ``acc_dp`` holds dPᵀ then dSᵀ. dK leaves unscaled by ``softmax_scale`` until the end; dQ
+    leaves unscaled (the postprocess scales it).
     """
     accum_dtype = "float32"
-    scale = softmax_scale * LOG2E  # scores to log2 units, as in the forward
+    scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
     offset = seq_kv - seq_q  # bottom-right causal alignment
+    seq_q_pad = padded_len(seq_q, block_N)
     q_shape = [batch, seq_q, heads, dim]
     kv_shape = [batch, seq_kv, heads, dim]
+    consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 keys
+
+    @T.macro
+    def probabilities(k, bx, stage, key_tail, acc_s, lse_shared):
+        # Pᵀ = exp2(Sᵀ·scale − lse2). Queries past Sq have lse2 = +inf (P = 0) and need no
+        # mask; keys past Sk (the last key block) and, causal, keys after the query do.
+        needs_mask = key_tail
+        if causal:
+            needs_mask = needs_mask or k * block_N + offset < (bx + 1) * block_M - 1
+        if needs_mask:
+            for i, j in T.Parallel(block_M, block_N):
+                key = bx * block_M + i
+                visible = key < seq_kv
+                if causal:
+                    visible = visible and key <= k * block_N + j + offset
+                acc_s[i, j] = T.if_then_else(
+                    visible, T.exp2(acc_s[i, j] * scale - lse_shared[stage, j]), 0
+                )
+        else:
+            for i, j in T.Parallel(block_M, block_N):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[stage, j])
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
         dO: T.Tensor(q_shape, dtype),
-        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
-        Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+        lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+        Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         dQ_accum: T.Tensor(q_shape, accum_dtype),
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=consumers + 128) as (
+            bx,
+            by,
+            bz,
+        ):
             K_shared = T.alloc_shared([block_M, dim], dtype)
             V_shared = T.alloc_shared([block_M, dim], dtype)
-            Q_shared = T.alloc_shared([block_N, dim], dtype)
-            dO_shared = T.alloc_shared([block_N, dim], dtype)
-            lse_shared = T.alloc_shared([block_N], accum_dtype)
-            delta_shared = T.alloc_shared([block_N], accum_dtype)
-            ds_shared = T.alloc_shared([block_M, block_N], dtype)
-            dK_shared = T.alloc_shared([block_M, dim], dtype)
-            dV_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            dO_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            lse_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
+            delta_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
+            ds_shared = T.alloc_shared([2, block_M, block_N], dtype)
+            dq_shared = T.alloc_shared([block_N, dim], accum_dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
             acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
             ds_cast = T.alloc_fragment([block_M, block_N], dtype)
             dk = T.alloc_fragment([block_M, dim], accum_dtype)
             dv = T.alloc_fragment([block_M, dim], accum_dtype)
-            dq = T.alloc_fragment([block_N, dim], accum_dtype)
+            if dq_transposed:
+                dq = T.alloc_fragment([dim, block_N], accum_dtype)
+            else:
+                dq = T.alloc_fragment([block_N, dim], accum_dtype)
 
-            # Keys past Sk read as zeros and are never stored.
-            T.copy(K[bz, bx * block_M : (bx + 1) * block_M, by, :], K_shared)
-            T.copy(V[bz, bx * block_M : (bx + 1) * block_M, by, :], V_shared)
-            T.clear(dk)
-            T.clear(dv)
+            # mbarriers. "full": producer warp 0 (32 threads) arrives and its TMA loads complete
+            # the byte count; "empty": every consumer thread arrives once it no longer reads the
+            # buffer. dq_full/dq_empty hand the dQ tile to producer warp 1 and back.
+            kv_full = T.alloc_barrier(32)
+            q_full = T.alloc_barrier([32] * num_stages)
+            do_full = T.alloc_barrier([32] * num_stages)
+            q_empty = T.alloc_barrier([consumers] * num_stages)
+            do_empty = T.alloc_barrier([consumers] * num_stages)
+            dq_full = T.alloc_barrier(consumers)
+            dq_empty = T.alloc_barrier(32)
 
             # Causal: query i sees key j iff i >= j - offset, so the first query block that sees
-            # any key of this block is the one holding query bx·block_M − offset. (It is never
-            # past the end: the last query sees every key.)
+            # a key of this block holds query bx·block_M − offset. The last query sees every key,
+            # so there is always at least one step.
             q_start = 0
             if causal:
                 q_start = T.max(0, bx * block_M - offset) // block_N
+            n_steps = seq_q_pad // block_N - q_start
             key_tail = (bx + 1) * block_M > seq_kv
+            tx = T.get_thread_binding()
 
-            for k in T.Pipelined(q_start, T.ceildiv(seq_q, block_N), num_stages=num_stages):
-                T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
-                T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
-                T.copy(dO[bz, k * block_N : (k + 1) * block_N, by, :], dO_shared)
-                T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
-                # Issue both score GEMMs back to back without waiting: Sᵀ = K Qᵀ, then
-                # dPᵀ = V dOᵀ. wait_wgmma(n) returns once at most n issued groups are in
-                # flight, and groups retire in order: wait_wgmma(1) means Sᵀ is ready.
-                T.wgmma_gemm(
-                    K_shared,
-                    Q_shared,
-                    acc_s,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                T.wgmma_gemm(
-                    V_shared,
-                    dO_shared,
-                    acc_dp,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                T.wait_wgmma(1)
-
-                # Pᵀ = exp2(Sᵀ·scale − lse·log2 e) while the tensor cores run the dPᵀ GEMM.
-                # lse = +inf (row sees no key) gives 0. A block needs the mask when it holds
-                # keys past Sk or queries past Sq (whose lse/delta are padding), or, causal,
-                # when its first query misses the block's last key.
-                needs_mask = key_tail or (k + 1) * block_N > seq_q
-                if causal:
-                    needs_mask = needs_mask or k * block_N + offset < (bx + 1) * block_M - 1
-                if needs_mask:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = bx * block_M + i
-                        query = k * block_N + j
-                        visible = key < seq_kv and query < seq_q
-                        if causal:
-                            visible = visible and key <= query + offset
-                        acc_s[i, j] = T.if_then_else(
-                            visible, T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E), 0
+            if tx >= consumers:
+                # ------------------------------------------------------------ producer warpgroup
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                if tx < consumers + 32:
+                    # Warp 0: K, V once; then Q (+ lse2) and dO (+ delta) for every step.
+                    # Keys past Sk and queries past Sq read as zeros (TMA fills out of bounds).
+                    T.tma_copy(
+                        K[bz, bx * block_M : (bx + 1) * block_M, by, :], K_shared, barrier=kv_full
+                    )
+                    T.tma_copy(
+                        V[bz, bx * block_M : (bx + 1) * block_M, by, :], V_shared, barrier=kv_full
+                    )
+                    T.barrier_arrive(kv_full)
+                    for i in T.serial(n_steps):
+                        k = q_start + i
+                        stage = i % num_stages
+                        phase = (i // num_stages) & 1
+                        # A fresh mbarrier counts as having completed the phase before phase 0,
+                        # so the first wait on an "empty" barrier (parity 1) passes at once.
+                        T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
+                        T.tma_copy(
+                            Q[bz, k * block_N : (k + 1) * block_N, by, :],
+                            Q_shared[stage, :, :],
+                            barrier=q_full[stage],
                         )
-                else:
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
-                T.copy(acc_s, acc_s_cast)
+                        T.tma_copy(
+                            lse2[bz, by, k * block_N : (k + 1) * block_N],
+                            lse_shared[stage, :],
+                            barrier=q_full[stage],
+                        )
+                        T.barrier_arrive(q_full[stage])
+                        T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
+                        T.tma_copy(
+                            dO[bz, k * block_N : (k + 1) * block_N, by, :],
+                            dO_shared[stage, :, :],
+                            barrier=do_full[stage],
+                        )
+                        T.tma_copy(
+                            Delta[bz, by, k * block_N : (k + 1) * block_N],
+                            delta_shared[stage, :],
+                            barrier=do_full[stage],
+                        )
+                        T.barrier_arrive(do_full[stage])
+                elif tx < consumers + 64:
+                    # Warp 1: add each step's dQ tile into dQ_accum (rows past Sq fall outside
+                    # the tensor and are dropped). The reduce-add waits until TMA has read the
+                    # tile, so arriving on dq_empty hands the buffer back.
+                    for i in T.serial(n_steps):
+                        k = q_start + i
+                        T.mbarrier_wait_parity(dq_full, i & 1)
+                        T.atomic_add(
+                            dQ_accum[bz, k * block_N : (k + 1) * block_N, by, :],
+                            dq_shared,
+                            use_tma=True,
+                        )
+                        T.barrier_arrive(dq_empty)
+            else:
+                # ----------------------------------------------------------- consumer warpgroups
+                T.set_max_nreg(CONSUMER_REGS, 1)
+                T.clear(dk)
+                T.clear(dv)
+                T.mbarrier_wait_parity(kv_full, 0)
+                for i in T.serial(n_steps):
+                    k = q_start + i
+                    stage = i % num_stages
+                    phase = (i // num_stages) & 1
+                    T.mbarrier_wait_parity(q_full[stage], phase)
+                    T.wgmma_gemm(
+                        K_shared,
+                        Q_shared[stage, :, :],
+                        acc_s,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=T.GemmWarpPolicy.FullRow,
+                    )
+                    T.mbarrier_wait_parity(do_full[stage], phase)
+                    T.wgmma_gemm(
+                        V_shared,
+                        dO_shared[stage, :, :],
+                        acc_dp,
+                        transpose_B=True,
+                        clear_accum=True,
+                        policy=T.GemmWarpPolicy.FullRow,
+                    )
+                    T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still run
+                    probabilities(k, bx, stage, key_tail, acc_s, lse_shared)
+                    T.wait_wgmma(0)
+                    for r, c in T.Parallel(block_M, block_N):
+                        acc_dp[r, c] = acc_s[r, c] * (acc_dp[r, c] - delta_shared[stage, c])
+                    T.copy(acc_s, acc_s_cast)
+                    T.copy(acc_dp, ds_cast)
+                    T.copy(ds_cast, ds_shared[i % 2, :, :])
+                    T.wgmma_gemm(
+                        acc_s_cast, dO_shared[stage, :, :], dv, policy=T.GemmWarpPolicy.FullRow
+                    )
+                    # dSᵀ was written by ordinary stores and is read by WGMMA (the async proxy):
+                    # fence, then wait for the other warpgroup's half.
+                    T.fence_proxy_async()
+                    T.sync_threads(DS_READY, consumers)
+                    if dq_transposed:  # dQᵀ = Kᵀ dSᵀ: the head dim is the GEMM's M
+                        T.wgmma_gemm(
+                            K_shared,
+                            ds_shared[i % 2, :, :],
+                            dq,
+                            transpose_A=True,
+                            clear_accum=True,
+                            policy=T.GemmWarpPolicy.FullRow,
+                        )
+                    else:
+                        T.wgmma_gemm(
+                            ds_shared[i % 2, :, :],
+                            K_shared,
+                            dq,
+                            transpose_A=True,
+                            clear_accum=True,
+                            policy=T.GemmWarpPolicy.FullCol,
+                        )
+                    T.wait_wgmma(1)  # dV is done: dO is free
+                    T.barrier_arrive(do_empty[stage])
+                    T.wgmma_gemm(
+                        ds_cast, Q_shared[stage, :, :], dk, policy=T.GemmWarpPolicy.FullRow
+                    )
+                    T.wait_wgmma(1)  # dQ is done
+                    T.mbarrier_wait_parity(dq_empty, (i & 1) ^ 1)
+                    if dq_transposed:
+                        for r, c in T.Parallel(dim, block_N):
+                            dq_shared[c, r] = dq[r, c]
+                    else:
+                        T.copy(dq, dq_shared)
+                    T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
+                    T.barrier_arrive(dq_full)
+                    T.wait_wgmma(0)  # dK is done: Q is free
+                    T.barrier_arrive(q_empty[stage])
+                for r, c in T.Parallel(block_M, dim):
+                    dk[r, c] = dk[r, c] * softmax_scale
+                # Guarded stores straight from registers: keys past Sk are not written.
+                T.copy(dv, dV[bz, bx * block_M : (bx + 1) * block_M, by, :])
+                T.copy(dk, dK[bz, bx * block_M : (bx + 1) * block_M, by, :])
 
-                # The GEMMs that read a pipelined Q/dO stage for the last time stay synchronous
-                # (T.gemm waits for its WGMMA, and for the dPᵀ GEMM issued before it): TileLang
-                # hands a stage back to the producer right after its last reader is issued, so
-                # an asynchronous last reader could race the TMA load that refills it.
-                T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
-
-                # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
-                for i, j in T.Parallel(block_M, block_N):
-                    ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
-                T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
-
-                # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
-                # transposed, then one whole-tile atomic add (bounds-checked past Sq).
-                T.copy(ds_cast, ds_shared)
-                T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
-                T.atomic_add(dQ_accum[bz, k * block_N : (k + 1) * block_N, by, :], dq)
-
-            T.copy(dv, dV_shared)
-            T.copy(dV_shared, dV[bz, bx * block_M : (bx + 1) * block_M, by, :])
-            T.copy(dk, dK_shared)
-            T.copy(dK_shared, dK[bz, bx * block_M : (bx + 1) * block_M, by, :])
-
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
-    """dQ = dQ_accum converted from float32 to the input dtype."""
+def flash_bwd_post(batch, heads, seq_q, dim, softmax_scale, dtype="float16", block=64):
+    """dQ = softmax_scale · dQ_accum, converted from float32 to the input dtype."""
     accum_dtype = "float32"
     shape = [batch, seq_q, heads, dim]
 
     @T.prim_func
-    def main(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
+    def flash_bwd_post(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
             dq = T.alloc_fragment([block, dim], accum_dtype)
             dq_cast = T.alloc_fragment([block, dim], dtype)
             T.copy(dQ_accum[bz, bx * block : (bx + 1) * block, by, :], dq)
-            T.copy(dq, dq_cast)
+            for i, j in T.Parallel(block, dim):
+                dq_cast[i, j] = dq[i, j] * softmax_scale
             T.copy(dq_cast, dQ[bz, bx * block : (bx + 1) * block, by, :])
 
-    return main
+    return flash_bwd_post
 
 
 # ----------------------------------------------------------------------------- configurations
-def forward_config(dim, arch="sm_90a"):
-    """Forward tiles, measured on an H100 for this pipelined forward."""
-    if arch.startswith("sm_90"):
-        if dim <= 64:
-            return dict(block_M=192, block_N=128, num_stages=2, threads=384)
-        return dict(block_M=128, block_N=128, num_stages=1, threads=256)
-    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
-
-
-def default_config(dim, causal, arch="sm_90a", seq_q=None):
-    """Backward tiles: block_M keys per thread block, block_N queries per loop step.
-
-    Hopper: 256 threads are two consumer warpgroups of 64 keys each (TileLang adds a producer
-    warpgroup for the TMA loads), and two stages let the next Q/dO tile load while this one is
-    used. Measured on an H100 (2026-11-22, B4 S4096 fp16, all of ``tune_configs``): 128 keys ×
-    64 queries was fastest at D=64 and D=128, causal or not — 389 TFLOP/s at D128 against 306
-    for 128×32 (upstream's choice) and 274 for 64×64 — so ``causal`` does not change the choice
-    today (kept in the signature on purpose). Other archs get a conservative mma.sync config.
-    With fewer than 64 queries (``seq_q``) the 64-query step does not build at D=128 (ptxas runs
-    out of registers: TileLang lays that kernel out differently when the tile is taller than
-    the tensor), so such short inputs step 32 queries at a time.
+def default_config(dim, causal, arch="sm_90a"):
+    """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64),
+    ``block_N`` queries per step, ``num_stages`` Q/dO buffers, and whether dQ is computed
+    transposed (dQᵀ = Kᵀ dSᵀ, the head dim as the GEMM's M, so each warpgroup computes half of
+    the head dim for every query of the step instead of half the queries... see README).
     """
-    del causal
+    del causal  # the same tiles win causal or not (README, "Backward")
     if not arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=32, num_stages=1, threads=128)
-    block_N = 32 if seq_q is not None and seq_q < 64 else 64
-    return dict(block_M=128, block_N=block_N, num_stages=2, threads=256)
+        raise ValueError(
+            f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg); "
+            "for Blackwell see examples/flash_attention_sm100/"
+        )
+    if dim <= 64:
+        return dict(block_M=128, block_N=128, num_stages=2, dq_transposed=True)
+    return dict(block_M=128, block_N=64, num_stages=2, dq_transposed=True)
 
 
 def tune_configs(dim):
-    """The space ``--tune`` compares: 64 keys per consumer warpgroup (one or two warpgroups),
-    32 or 64 queries a step, one or two stages. All of them build for sm_90a at D=64 and D=128;
-    which of them spill registers at D=128 (dK and dV take 128 per thread) is for the GPU run
-    to show. With 32 queries a step the dQ GEMM is too short for WGMMA and uses mma.sync."""
-    del dim  # the same space for both head dims today
+    """The space ``--tune`` compares: queries a step, dQ transposed or not."""
+    steps = (64, 128) if dim <= 64 else (64, 80)
     return [
-        dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
-        for bm, th in ((64, 128), (128, 256))
-        for bn in (32, 64)
-        for st in (1, 2)
+        dict(block_M=128, block_N=bn, num_stages=2, dq_transposed=t)
+        for bn in steps
+        for t in (False, True)
+        if t or bn % 64 == 0  # dQ (not transposed) has the queries as M: a multiple of 64
     ]
 
 
 # ----------------------------------------------------------------------------- torch-facing
-def device_arch(device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+def _dtype_name(t):
+    return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
 def _check_inputs(q, k, v):
@@ -443,26 +473,6 @@ def _check_inputs(q, k, v):
         raise ValueError("q, k, v must be on the same device")
 
 
-def _dtype_name(t):
-    return "float16" if t.dtype == torch.float16 else "bfloat16"
-
-
-def attention_forward(q, k, v, causal, softmax_scale):
-    """Forward kernel alone: ``out [B, Sq, H, D]`` and ``lse [B, H, Sq]`` (float32, natural log)."""
-    B, Sq, H, D = q.shape
-    Sk = k.shape[1]
-    cfg = forward_config(D, device_arch(q.device))
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
-        out.zero_()
-        lse.fill_(math.inf)
-    elif out.numel() > 0:
-        kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
-        kernel(q, k, v, out, lse)
-    return out, lse
-
-
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
     """The three backward kernels: returns ``dq, dk, dv`` in the input dtype."""
     B, Sq, H, D = q.shape
@@ -470,25 +480,28 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = _dtype_name(q)
-    cfg = config or default_config(D, causal, device_arch(q.device), Sq)
+    cfg = config or default_config(D, causal, fwd.device_arch(q.device))
+    seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
-    delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    flashattn_bwd_preprocess(B, H, Sq, D, dtype)(out, dout, delta)
-    dq_accum = torch.zeros(B, Sq, H, D, dtype=torch.float32, device=q.device)  # atomics add here
+    delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
+    flash_bwd_prep(B, H, Sq, seq_q_pad, D, dtype)(out, dout, lse, delta, lse2)
+    dq_accum = torch.zeros(B, Sq, H, D, dtype=torch.float32, device=q.device)  # adds land here
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    kernel = flashattn_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
-    kernel(q, k, v, dout, lse, delta, dq_accum, dk, dv)
+    kernel = flash_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
+    kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv)
     dq = torch.empty_like(q)
-    flashattn_bwd_postprocess(B, H, Sq, D, dtype)(dq_accum, dq)
+    flash_bwd_post(B, H, Sq, D, softmax_scale, dtype)(dq_accum, dq)
     return dq, dk, dv
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Forward saves (q, k, v, out, lse); backward runs preprocess, backward, postprocess."""
+    """Forward (example_mha_fwd_bshd.py's kernel) saves (q, k, v, out, lse); backward runs
+    preprocess, backward, postprocess."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, config):
-        out, lse = attention_forward(q, k, v, causal, softmax_scale)
+        out, lse = fwd.attention(q, k, v, causal, softmax_scale, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
         return out
@@ -570,14 +583,14 @@ def make_inputs(batch, heads, seq_q, seq_k, dim, dtype, device="cuda", seed=0):
 
 
 def check(batch, heads, seq_q, seq_k, dim, causal, dtype, config=None):
-    """Out and dq, dk, dv against autograd through ``ref_program`` (GUIDE §2 tolerances)."""
+    """Out and dq, dk, dv against autograd through ``ref_program``."""
     harness = _harness()
     q, k, v, dout = make_inputs(batch, heads, seq_q, seq_k, dim, dtype)
     scale = 1.0 / math.sqrt(dim)
     out = attention(q, k, v, causal, scale, config=config)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, dout, causal, scale)
-    harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+    harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
     harness.check_grads({"dq": dq, "dk": dk, "dv": dv}, {"dq": ref_dq, "dk": ref_dk, "dv": ref_dv})
 
 
@@ -597,13 +610,13 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
         )
         bwd[name] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     peers_fwd_bwd, peers_bwd = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
-    fwd = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal)
+    fwd_flops = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal)
     bwd_flops = harness.attention_flops(batch, heads, seq_q, seq_k, dim, dim, causal, True)
     shape = f"B{batch} H{heads} Sq{seq_q} Sk{seq_k} D{dim} causal={causal}"
     shape += " " + str(dtype).removeprefix("torch.")
     return {
         "fwd+bwd": harness.report(
-            f"forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd + bwd_flops
+            f"forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd_flops + bwd_flops
         ),
         "bwd": harness.report(f"backward {shape}", bwd, peers_bwd, bwd_flops),
     }
@@ -613,43 +626,48 @@ def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=Non
     """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, causal, arch, seq_q)
-    fwd_cfg = forward_config(dim, arch)
+    cfg = config or default_config(dim, causal, arch)
+    fwd_cfg = fwd.default_config(dim, causal, arch, seq_k)
+    seq_q_pad = padded_len(seq_q, cfg["block_N"])
     kernels = {
-        "flashattn_fwd": (flashattn_fwd, (seq_k, dim, causal, scale, dtype), fwd_cfg),
-        "flashattn_bwd_preprocess": (flashattn_bwd_preprocess, (dim, dtype), {}),
-        "flashattn_bwd": (flashattn_bwd, (seq_k, dim, causal, scale, dtype), cfg),
-        "flashattn_bwd_postprocess": (flashattn_bwd_postprocess, (dim, dtype), {}),
+        "flash_fwd": (fwd.flashattn_fwd, (seq_q, seq_k, dim, causal, scale, dtype), fwd_cfg),
+        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {}),
+        "flash_bwd": (flash_bwd, (seq_q, seq_k, dim, causal, scale, dtype), cfg),
+        "flash_bwd_post": (flash_bwd_post, (seq_q, dim, scale, dtype), {}),
     }
     return {
-        name: harness.compile_for(fn, arch, batch, heads, seq_q, *args, **kw).get_kernel_source()
+        name: harness.compile_for(fn, arch, batch, heads, *args, **kw).get_kernel_source()
         for name, (fn, args, kw) in kernels.items()
     }
 
 
 def _config_name(cfg):
-    return f"{cfg['block_M']}x{cfg['block_N']}/{cfg['num_stages']}st/{cfg['threads']}t"
+    name = f"{cfg['block_M']}x{cfg['block_N']}/{cfg['num_stages']}st"
+    return name + ("/dQt" if cfg.get("dq_transposed") else "")
 
 
 def main(argv=None):
     harness = _harness()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
     Sk = args.seq_len_k or Sq
     script = pathlib.Path(__file__).name
     if D not in HEAD_DIMS:
-        build_parser().error(f"--dim must be one of {HEAD_DIMS}")
+        parser.error(f"--dim must be one of {HEAD_DIMS}")
 
     if args.compile_only:
+        try:
+            cfg = default_config(D, args.causal, args.arch)
+        except ValueError as err:
+            parser.error(str(err))
         sources = compile_all(B, H, Sq, Sk, D, args.causal, args.dtype, args.arch)
-        print(
-            f"{script}: built for {args.arch} with {default_config(D, args.causal, args.arch, Sq)}"
-        )
+        print(f"{script}: built for {args.arch} with {cfg}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
 
-    harness.require_gpu(script)
+    harness.require_gpu(script, capability=(9, 0))
     dtype = harness.DTYPES[args.dtype]
     config = None
     if args.tune:
