@@ -2,22 +2,27 @@
 
 Shapes: S in {1024, ..., 16384} at 16k tokens per batch (B = 16384 / S), H = 32 for D = 128 and
 H = 64 for D = 64, causal and not, fp16 and bf16. Peers on the same inputs: SDPA FLASH (FA2),
-SDPA cuDNN and, for bf16 forward, FlashAttention-3. Forward: example_mha_fwd_bshd.py; backward
-(the backward pass alone, 2.5× the forward FLOPs): example_mha_bwd_bshd.py. Each of our rows is
-checked against cuDNN's output (or gradients) before it is timed, so a fast wrong kernel cannot
-make the table.
+SDPA cuDNN and, for bf16 forward, FlashAttention-3. Forward: example_mha_fwd_bshd.py. Backward:
+the hand-scheduled example_mha_bwd_wgmma_pipelined.py ("tilelang") beside the plain
+example_mha_bwd_bshd.py ("tilelang plain"), timed twice: the backward pass alone (2.5× the
+forward FLOPs, mode "bwd") and a training step, forward + backward (3.5×, mode "fwd+bwd"; each
+of ours runs its own script's forward). Each of our rows is checked against cuDNN's output (or
+gradients) before it is timed, so a fast wrong kernel cannot make the table.
 
-Writes ``<out>/<mode>.json`` (one record per implementation and shape), ``<out>/<mode>.md`` (the
-table the README shows) and ``<out>/<mode>.png`` (TFLOP/s against S, one line per
-implementation), for mode fwd and bwd.
+Writes ``<out>/<mode>.json`` (one record per implementation and shape; bwd.json holds the
+"fwd+bwd" rows too), ``<out>/<mode>.md`` (the tables the README shows) and ``<out>/<mode>.png``
+(TFLOP/s against S, one line per implementation; fwd_bwd.png for the training step).
+``--render`` rebuilds the tables and plots from saved JSON files (several partial runs merge).
 
     python benchmarks/bench_attention.py --out benchmarks/results --modes fwd bwd
+    python benchmarks/bench_attention.py --render bwd_d128.json bwd_d64.json --out results
 """
 
 import argparse
 import datetime
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
@@ -53,7 +58,7 @@ def prebuild(build, shapes):
     """Compile every kernel of the sweep up front, in parallel (nvcc runs outside the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 8)) as pool:
         list(pool.map(lambda shape: build(*shape), shapes))
 
 
@@ -63,11 +68,18 @@ def build_forward(mha, B, H, S, D, causal, dtype):
     mha.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg, num_sms=num_sms)
 
 
-def build_backward(bwd, B, H, S, D, causal, dtype):
-    arch = bwd.device_arch("cuda")
-    bwd.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **bwd.forward_config(D, arch))
-    cfg = bwd.default_config(D, causal, arch)
-    bwd.flashattn_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
+def build_backward(fast, plain, B, H, S, D, causal, dtype):
+    arch = plain.device_arch("cuda")
+    plain.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.forward_config(D, arch))
+    plain.flashattn_bwd(
+        B, H, S, S, D, causal, D**-0.5, dtype, **plain.default_config(D, causal, arch)
+    )
+    build_forward(fast.fwd, B, H, S, D, causal, dtype)
+    cfg = fast.default_config(D, causal, arch)
+    pad = fast.padded_len(S, cfg["block_N"])
+    fast.flash_bwd_prep(B, H, S, pad, D, dtype)
+    fast.flash_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
+    fast.flash_bwd_post(B, H, S, pad, D, D**-0.5, dtype)
 
 
 def forward_rows(dims, dtypes, seqlens):
@@ -96,63 +108,91 @@ def forward_shape(mha, B, H, S, D, causal, dtype_name):
 
 
 def backward_rows(dims, dtypes, seqlens):
-    bwd = load("examples/flash_attention/example_mha_bwd_bshd.py")
+    fast = load("examples/flash_attention/example_mha_bwd_wgmma_pipelined.py")
+    plain = load("examples/flash_attention/example_mha_bwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
-    prebuild(lambda *shape: build_backward(bwd, *shape), shapes)
-    return [row for shape in shapes for row in backward_shape(bwd, *shape)]
+    prebuild(lambda *shape: build_backward(fast, plain, *shape), shapes)
+    return [row for shape in shapes for row in backward_shape(fast, plain, *shape)]
 
 
-def backward_shape(bwd, B, H, S, D, causal, dtype_name):
+def backward_shape(fast, plain, B, H, S, D, causal, dtype_name):
     torch.manual_seed(0)
     dtype = harness.DTYPES[dtype_name]
     q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
     scale = D**-0.5
-    out, lse = bwd.attention_forward(q, k, v, causal, scale)
-    _, peers = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
-    grads = bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)
+    peers_fwd_bwd, peers = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
     ref = peers["sdpa_cudnn"]()
-    rels = [harness.check_close(n, g, r, 2e-2) for n, g, r in zip("qkv", grads, ref, strict=True)]
-    ours = {"tilelang": lambda: bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)}
-    flops = harness.attention_flops(B, H, S, S, D, D, causal, backward=True)
-    title = f"bwd B{B} H{H} S{S} D{D} causal={causal} {dtype_name}"
-    shape = {"mode": "bwd", "B": B, "H": H, "S": S, "D": D, "causal": causal, "dtype": dtype_name}
-    return [
-        {**r, **shape, "rel_err_vs_cudnn": max(rels) if r["ours"] else None}
-        for r in harness.report(title, ours, peers, flops)
-    ]
+    fast_fwd = fast.fwd.attention(q, k, v, causal, scale, return_lse=True)
+    plain_fwd = plain.attention_forward(q, k, v, causal, scale)
+    ours = {
+        "tilelang": lambda: fast.attention_backward(dout, q, k, v, *fast_fwd, causal, scale),
+        "tilelang plain": lambda: plain.attention_backward(
+            dout, q, k, v, *plain_fwd, causal, scale
+        ),
+    }
+    rels = {}
+    for name, run in ours.items():
+        grads = run()
+        rels[name] = max(
+            harness.check_close(f"{name} d{n}", g, r, 2e-2)
+            for n, g, r in zip("qkv", grads, ref, strict=True)
+        )
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    steps = {
+        name: (lambda m=m: torch.autograd.grad(m.attention(*leaves, causal, scale), leaves, dout))
+        for name, m in (("tilelang", fast), ("tilelang plain", plain))
+    }
+    fwd = harness.attention_flops(B, H, S, S, D, D, causal)
+    shape = {"B": B, "H": H, "S": S, "D": D, "causal": causal, "dtype": dtype_name}
+    rows = []
+    for mode, impls, peer_impls, flops in (
+        ("bwd", ours, peers, 2.5 * fwd),
+        ("fwd+bwd", steps, peers_fwd_bwd, 3.5 * fwd),
+    ):
+        title = f"{mode} B{B} H{H} S{S} D{D} causal={causal} {dtype_name}"
+        rows += [
+            {**r, "mode": mode, **shape, "rel_err_vs_cudnn": rels.get(r["impl"])}
+            for r in harness.report(title, impls, peer_impls, flops)
+        ]
+    return rows
 
 
 def markdown(rows, mode):
-    """One line per (D, causal, dtype, S): TFLOP/s of each implementation, ours ÷ cuDNN and ÷
-    the best peer."""
+    """One line per (D, causal, dtype, S): TFLOP/s of each implementation, each of ours ÷ cuDNN,
+    and the first of ours ("tilelang") ÷ the best peer."""
+    rows = [r for r in rows if r["mode"] == mode]
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    head = "| D | causal | dtype | S | B×H | " + " | ".join(impls)
-    head += " | ours ÷ cuDNN | ours ÷ best peer |"
-    lines = [head, "|" + "---|" * (len(impls) + 7)]
+    ours_impls = [i for i in impls if any(r["ours"] for r in rows if r["impl"] == i)]
+    ratio_heads = [f"{i.replace('tilelang', 'ours')} ÷ cuDNN" for i in ours_impls]
+    head = "| D | causal | dtype | S | B×H | " + " | ".join(impls + ratio_heads)
+    head += " | ours ÷ best peer |"
+    lines = [head, "|" + "---|" * (len(impls) + len(ratio_heads) + 6)]
     keys = list(dict.fromkeys((r["D"], r["causal"], r["dtype"], r["S"]) for r in rows))
     for D, causal, dtype, S in keys:
         group = [
             r for r in rows if (r["D"], r["causal"], r["dtype"], r["S"]) == (D, causal, dtype, S)
         ]
         tf = {r["impl"]: r["tflops"] for r in group}
-        ours = next(r for r in group if r["ours"])
+        first = next(r for r in group if r["ours"])
         peer_best = max(r["tflops"] for r in group if not r["ours"])
         cells = [f"{tf[i]:.0f}" if i in tf else "—" for i in impls]
-        ratio_cudnn = ours["tflops"] / tf["sdpa_cudnn"] if "sdpa_cudnn" in tf else float("nan")
+        cudnn = tf.get("sdpa_cudnn", float("nan"))
+        cells += [f"{tf[i] / cudnn:.2f}" if i in tf else "—" for i in ours_impls]
         lines.append(
-            f"| {D} | {causal} | {dtype} | {S} | {ours['B']}×{ours['H']} | "
+            f"| {D} | {causal} | {dtype} | {S} | {first['B']}×{first['H']} | "
             + " | ".join(cells)
-            + f" | {ratio_cudnn:.2f} | {ours['tflops'] / peer_best:.2f} |"
+            + f" | {first['tflops'] / peer_best:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, path, mode):
+def plot(rows, path, mode, title, device, date):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["mode"] == mode]
     panels = list(dict.fromkeys((r["D"], r["dtype"], r["causal"]) for r in rows))
     cols = 4
     nrows = (len(panels) + cols - 1) // cols
@@ -161,19 +201,39 @@ def plot(rows, path, mode):
         sel = [r for r in rows if (r["D"], r["dtype"], r["causal"]) == (D, dtype, causal)]
         for impl in dict.fromkeys(r["impl"] for r in sel):
             pts = sorted((r["S"], r["tflops"]) for r in sel if r["impl"] == impl)
-            style = "-o" if impl == "tilelang" else "--."
+            ours = any(r["ours"] for r in sel if r["impl"] == impl)
+            style = "-o" if ours else "--."
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{mode} D{D} {dtype} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_title(f"{title} D{D} {dtype} {'causal' if causal else 'non-causal'}", fontsize=9)
         ax.set_xlabel("sequence length (16k tokens per batch)", fontsize=8)
         ax.set_ylabel("TFLOP/s", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(f"{torch.cuda.get_device_name()} — {datetime.date.today()}", fontsize=10)
+    fig.suptitle(f"{device} — {date}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+TITLES = {"fwd": "Forward", "bwd": "Backward alone", "fwd+bwd": "Forward + backward"}
+FILES = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd_bwd"}
+
+
+def render(rows, out, device, date):
+    """Tables (``<mode>.md``) and plots for the rows' modes; bwd.md holds both backward tables."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    tables = {}
+    for mode in modes:
+        tables[mode] = f"{TITLES[mode]}, TFLOP/s ({device}, {date})\n\n" + markdown(rows, mode)
+        plot(rows, out / f"{FILES[mode]}.png", mode, TITLES[mode].lower(), device, date)
+    if "fwd" in tables:
+        (out / "fwd.md").write_text(tables["fwd"])
+    backward = [tables[m] for m in ("bwd", "fwd+bwd") if m in tables]
+    if backward:
+        (out / "bwd.md").write_text("\n".join(backward))
+    return "\n".join(tables.values())
 
 
 def main(argv=None):
@@ -183,20 +243,25 @@ def main(argv=None):
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=harness.DTYPES)
     p.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
+    p.add_argument("--tag", default="", help="suffix of the JSON file names (partial runs)")
+    p.add_argument(
+        "--render", type=pathlib.Path, nargs="+", help="only rebuild tables and plots from JSON"
+    )
     args = p.parse_args(argv)
-    harness.require_gpu("benchmarks/bench_attention.py")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        saved = [json.loads(path.read_text()) for path in args.render]
+        rows = [r for s in saved for r in s["rows"]]
+        print(render(rows, args.out, saved[0]["device"], saved[0]["date"]))
+        return
+    harness.require_gpu("benchmarks/bench_attention.py")
     device, date = torch.cuda.get_device_name(), str(datetime.date.today())
-    runners = {"fwd": (forward_rows, "Forward"), "bwd": (backward_rows, "Backward alone")}
+    runners = {"fwd": forward_rows, "bwd": backward_rows}
     for mode in args.modes:
-        run, title = runners[mode]
-        rows = run(args.dims, args.dtypes, args.seqlens)
-        with open(args.out / f"{mode}.json", "w") as f:
+        rows = runners[mode](args.dims, args.dtypes, args.seqlens)
+        with open(args.out / f"{mode}{args.tag}.json", "w") as f:
             json.dump({"device": device, "date": date, "rows": rows}, f, indent=1)
-        table = f"{title}, TFLOP/s ({device}, {date})\n\n" + markdown(rows, mode)
-        (args.out / f"{mode}.md").write_text(table)
-        plot(rows, args.out / f"{mode}.png", title.lower())
-        print(table)
+        print(render(rows, args.out, device, date))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,224 @@
+"""The hand-scheduled Hopper backward (example_mha_bwd_wgmma_pipelined.py): its generated code
+holds the schedule, fits the SM and spills nothing (CPU, sm_90a builds), and every gradient
+matches the reference on a GPU (marker ``gpu``; each GPU test runs under a watchdog, so a
+deadlocked kernel fails the run instead of hanging it).
+
+Its reference, command line and bad-input checks are shared with the plain scripts in
+test_flash_bwd_mha.py."""
+
+import faulthandler
+import math
+import re
+import subprocess
+
+import pytest
+import torch
+from helpers import load_script, rel_err
+
+FAST = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
+SMEM_LIMIT = 232448  # bytes of shared memory one thread block may use on an H100
+WATCHDOG_S = 240  # a GPU test taking longer than this has deadlocked: exit with a traceback
+
+
+@pytest.fixture(autouse=True)
+def watchdog(request):
+    if "gpu" not in request.keywords:
+        yield
+        return
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def ptxas_report(source, arch="sm_90a"):
+    """Compile generated CUDA with ``ptxas -v``, the flags TileLang uses; return its report."""
+    import os
+    import tempfile
+
+    from tilelang.contrib import nvcc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cu")
+        with open(path, "w") as f:
+            f.write(source)
+        cmd = [nvcc.get_nvcc_compiler(), "-cubin", "-O3", "-arch", arch, "--use_fast_math"]
+        cmd += ["-Xptxas", "-v", "-w", "-o", os.path.join(tmp, "k.cubin"), path]
+        cmd += nvcc.default_compile_options()
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
+
+
+def build(mod, B, H, S, D, causal, dtype="float16", **cfg):
+    import harness
+
+    cfg = cfg or mod.default_config(D, causal)
+    args = (B, H, S, S, D, causal, 1 / math.sqrt(D), dtype)
+    return harness.compile_for(mod.flash_bwd, "sm_90a", *args, **cfg)
+
+
+# ----------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_generated_code_holds_the_schedule(dim, causal):
+    """Ragged Sq != Sk, default tiles: the four kernels build, and the backward kernel is the
+    hand-written schedule (producer/consumer registers, mbarriers, asynchronous WGMMA waited
+    with a non-zero count, one named barrier a step, the TMA reduce-add of dQ)."""
+    mod = load_script(FAST)
+    src = mod.compile_all(2, 4, 1000, 777, dim, causal, "bfloat16", "sm_90a")
+    assert set(src) == {"flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"}
+    bwd = src["flash_bwd"]
+    assert "__launch_bounds__(384, 1)" in bwd  # two consumer warpgroups + the producer
+    assert "warpgroup_reg_dealloc<24>" in bwd and "warpgroup_reg_alloc<240>" in bwd
+    assert "tma_load" in bwd and ".expect_transaction(" in bwd and ".wait(" in bwd
+    # Each consumer warpgroup's own loop: S/dP, dV and dK issued asynchronously, three waits
+    # that leave one GEMM running (after S/dP, after dQ, after dK).
+    assert bwd.count("wait_wgmma<1>") == 2 * 3
+    assert bwd.count("wgmma_rs") == 2 * 2  # dV and dK take P and dS from registers
+    assert bwd.count("__sync_thread_partial(8, 256)") == 2  # one named barrier a step
+    assert "fence_proxy_async" in bwd
+    assert "tma_store_add" in bwd  # dQ: TMA bulk reduce-add (cp.reduce.async.bulk)
+    assert "AtomicAdd" not in bwd  # ... and no per-thread atomics
+    assert "tma_load" in src["flash_fwd"] and "wgmma" in src["flash_fwd"]
+
+
+@pytest.mark.parametrize("dim,causal", [(128, False), (128, True), (64, False), (64, True)])
+def test_no_spills_and_fits_shared_memory(dim, causal):
+    """At a benchmark shape (S = 4096, where a shared code path for both warpgroups once spilled
+    its WGMMA descriptors): ptxas spills nothing, no stack, and the kernel's shared memory fits
+    an H100 thread block."""
+    import harness
+
+    mod = load_script(FAST)
+    kernel = build(mod, 4, 32, 4096, dim, causal)
+    report = ptxas_report(kernel.get_kernel_source())
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    # Nor does ptxas serialize the WGMMA pipeline (it does when a branch reads an accumulator
+    # of a GEMM still in flight).
+    assert "Potential Performance Loss" not in report, report
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+
+
+def test_tune_space_fits_shared_memory():
+    """Every ``--tune`` configuration at D=128 builds and fits (80 queries a step leaves room
+    for one dQ tile only)."""
+    import harness
+
+    mod = load_script(FAST)
+    for cfg in mod.tune_configs(128):
+        kernel = build(mod, 1, 4, 1000, 128, True, **cfg)
+        assert harness.dynamic_smem_bytes(kernel) <= SMEM_LIMIT - 1024, cfg
+
+
+def test_default_config_is_hopper_only(capsys):
+    mod = load_script(FAST)
+    with pytest.raises(ValueError, match="Hopper"):
+        mod.default_config(128, False, "sm_100a")
+    with pytest.raises(SystemExit):
+        mod.main(["--compile-only", "--arch", "sm_100a"])
+    assert "Hopper" in capsys.readouterr().err
+
+
+def test_forward_is_the_persistent_sibling():
+    """attention()'s forward pass is example_mha_fwd_bshd.py's kernel, imported, not a copy."""
+    mod = load_script(FAST)
+    assert mod.fwd.__file__.endswith("flash_attention/example_mha_fwd_bshd.py")
+    assert not hasattr(mod, "flashattn_fwd")
+
+
+def test_padded_stats_length():
+    mod = load_script(FAST)
+    assert [mod.padded_len(s, 64) for s in (1, 63, 64, 65, 1000)] == [64, 64, 64, 128, 1024]
+    assert mod.padded_len(4096, 80) == 4160
+
+
+# ----------------------------------------------------------------------------- GPU
+def make_inputs(B, Sq, Sk, H, D, dtype, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq * 7 + Sk + D)
+
+    def randn(S, s=1.0):
+        return (torch.randn(B, S, H, D, generator=g, device="cuda") * s).to(dtype)
+
+    q, k, v = randn(Sq, scale), randn(Sk, scale), randn(Sk)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), randn(Sq)
+
+
+def _gpu_cases():
+    """The gradient matrix: S in {17, 255, 1000, 4096} (and 1 query against many keys), batch
+    1 and 2, D 64 and 128, causal and not, fp16 and bf16, Sq != Sk both ways, large logits."""
+    f16, bf16 = torch.float16, torch.bfloat16
+    cases = []  # (B, Sq, Sk, H, D, causal, dtype, input scale)
+    for D in (64, 128):
+        for S in (17, 255, 1000, 4096):
+            for causal in (False, True):
+                dtype = (f16, bf16)[(S + D // 64 + causal) % 2]
+                B = 1 if S in (17, 4096) else 2
+                cases.append((B, S, S, 2 if S == 4096 else 4, D, causal, dtype, 1))
+    for D in (64, 128):
+        cases += [
+            (1, 1, 255, 4, D, False, f16, 1),  # one query
+            (2, 1, 300, 4, D, True, bf16, 1),  # one query, causal: it sees every key
+            (2, 255, 1000, 4, D, True, bf16, 1),  # fewer queries than keys
+            (1, 1000, 255, 4, D, True, f16, 1),  # 745 rows see no key: out 0, dq 0
+            (2, 1000, 17, 4, D, True, bf16, 1),  # 983 rows see no key
+            (1, 17, 4096, 4, D, False, f16, 1),
+            (2, 777, 1000, 4, D, False, bf16, 1),
+            (2, 1000, 1000, 4, D, True, bf16, 10),  # large logits
+            (2, 1000, 1000, 4, D, False, f16, 10),
+        ]
+    return cases
+
+
+def _case_id(case):
+    B, Sq, Sk, H, D, causal, dtype, scale = case
+    dt = "f16" if dtype == torch.float16 else "bf16"
+    c = "causal" if causal else "full"
+    return f"B{B}-Sq{Sq}-Sk{Sk}-H{H}-D{D}-{c}-{dt}" + ("-x10" if scale != 1 else "")
+
+
+def check_case(mod, case, config=None):
+    B, Sq, Sk, H, D, causal, dtype, scale = case
+    q, k, v, dout = make_inputs(B, Sq, Sk, H, D, dtype, scale)
+    out = mod.attention(q, k, v, causal=causal, config=config)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, ref_dq, ref_dk, ref_dv = mod.reference_grads(q, k, v, dout, causal, D**-0.5)
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 forward
+    for name, got, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        err = rel_err(got, ref)
+        assert err < 2e-2, f"{name}: relative error {err:.3e}"  # fp16/bf16 gradients
+    if causal and Sq > Sk:  # rows that see no key: exactly 0, never NaN
+        assert torch.all(out[:, : Sq - Sk] == 0)
+        assert torch.all(dq[:, : Sq - Sk] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _gpu_cases(), ids=_case_id)
+def test_gradients_match_reference(case, poisoned_empty):
+    """out, dq, dk, dv against autograd through ref_program in float32; every buffer the
+    kernels write starts as NaN (poisoned_empty), so an unwritten element fails."""
+    check_case(load_script(FAST), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_single_query_single_key(dim, poisoned_empty):
+    """Sq = Sk = 1: the one probability is 1, so out = v, dv = dout, and dq = dk = 0 exactly
+    in real arithmetic (a relative error against a zero reference means nothing: they are
+    bounded absolutely instead, far below their size for any other input)."""
+    mod = load_script(FAST)
+    q, k, v, dout = make_inputs(2, 1, 1, 4, dim, torch.bfloat16)
+    out = mod.attention(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert rel_err(out, v.detach()) < 1e-2 and rel_err(dv, dout) < 2e-2
+    bound = 1e-2 * (q.abs().max() + k.abs().max()).item() * dout.abs().max().item()
+    assert dq.abs().max().item() <= bound and dk.abs().max().item() <= bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+def test_tune_space_is_correct(dim, poisoned_empty):
+    """Every configuration ``--tune`` may pick gives the right gradients (ragged, causal)."""
+    mod = load_script(FAST)
+    for cfg in mod.tune_configs(dim):
+        check_case(mod, (2, 1000, 777, 4, dim, True, torch.bfloat16, 1), config=cfg)
