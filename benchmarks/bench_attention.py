@@ -82,10 +82,12 @@ def build_backward(fast, plain, B, H, S, D, causal, dtype):
     fast.flash_bwd_post(B, H, S, pad, D, D**-0.5, dtype)
 
 
-def forward_rows(dims, dtypes, seqlens):
+def forward_rows(dims, dtypes, seqlens, build_only=False):
     mha = load("examples/flash_attention/example_mha_fwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
     prebuild(lambda *shape: build_forward(mha, *shape), shapes)
+    if build_only:
+        return []
     return [row for shape in shapes for row in forward_shape(mha, *shape)]
 
 
@@ -107,11 +109,13 @@ def forward_shape(mha, B, H, S, D, causal, dtype_name):
     ]
 
 
-def backward_rows(dims, dtypes, seqlens):
+def backward_rows(dims, dtypes, seqlens, build_only=False):
     fast = load("examples/flash_attention/example_mha_bwd_wgmma_pipelined.py")
     plain = load("examples/flash_attention/example_mha_bwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
     prebuild(lambda *shape: build_backward(fast, plain, *shape), shapes)
+    if build_only:
+        return []
     return [row for shape in shapes for row in backward_shape(fast, plain, *shape)]
 
 
@@ -244,6 +248,7 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=harness.DTYPES)
     p.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
     p.add_argument("--tag", default="", help="suffix of the JSON file names (partial runs)")
+    p.add_argument("--build-only", action="store_true", help="only compile the sweep's kernels")
     p.add_argument(
         "--render", type=pathlib.Path, nargs="+", help="only rebuild tables and plots from JSON"
     )
@@ -258,7 +263,9 @@ def main(argv=None):
     device, date = torch.cuda.get_device_name(), str(datetime.date.today())
     runners = {"fwd": forward_rows, "bwd": backward_rows}
     for mode in args.modes:
-        rows = runners[mode](args.dims, args.dtypes, args.seqlens)
+        rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only)
+        if args.build_only:
+            continue
         with open(args.out / f"{mode}{args.tag}.json", "w") as f:
             json.dump({"device": device, "date": date, "rows": rows}, f, indent=1)
         print(render(rows, args.out, device, date))
