@@ -19,6 +19,12 @@ Working transposed (keys as rows) is what lets dK and dV stay in registers for t
 with multi-head attention every key block has exactly one owner, so no reduction over heads is
 needed for dK and dV (the GQA backward scripts show that case).
 
+This is the plain lesson: the algorithm in its shortest form, with TileLang's automatic pipeline
+choosing the schedule. example_mha_bwd_wgmma_pipelined.py (BSHD layout) computes the same thing with
+FlashAttention-3's schedule written out by hand (warp roles, mbarriers, asynchronous WGMMA
+chains, dQ by TMA reduce-add) and is 1.10–1.39× faster on the backward sweep of the README
+(``benchmarks/results/bwd.md``).
+
 What it shows on Hopper: TMA loads of the Q/dO/lse/delta tiles in a producer warpgroup, WGMMA for
 the five GEMMs (the two that take ``Pᵀ`` and ``dSᵀ`` straight from registers use the register-A
 form), and vectorised float32 atomics for dQ.
