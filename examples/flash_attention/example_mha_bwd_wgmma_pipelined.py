@@ -158,7 +158,7 @@ def flash_bwd(
     block_M=128,
     block_N=64,
     num_stages=2,
-    dq_stages=2,
+    dq_stages=1,
 ):
     """One thread block per (block_M keys, head, batch); the schedule of the module docstring.
 
@@ -175,6 +175,7 @@ def flash_bwd(
     kv_shape = [batch, seq_kv, heads, dim]
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
+    threads = consumers + 128  # and one producer warpgroup
     # dQᵀ = Kᵀ dSᵀ needs every key of the block, so the warpgroups split its output instead:
     # halves of the head dim (the GEMM's M, at least 64) or, for D = 64, halves of the queries.
     dq_split_dim = dim >= 128
@@ -310,11 +311,7 @@ def flash_bwd(
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=consumers + 128) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=threads) as (bx, by, bz):
             K_shared = T.alloc_shared([block_M, dim], dtype)
             V_shared = T.alloc_shared([block_M, dim], dtype)
             Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -388,9 +385,9 @@ def flash_bwd(
                         )
                         T.barrier_arrive(do_full[stage])
                 elif tx < consumers + 64:
-                    # Warp 1: add each step's dQ tile into dQ_accum (rows past Sq fall outside
-                    # the tensor and are dropped). The reduce-add waits until TMA has read the
-                    # tile, so arriving on dq_empty hands the buffer back.
+                    # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
+                    # their P is 0). The reduce-add waits until TMA has read the tile, so
+                    # arriving on dq_empty hands the buffer back.
                     for i in T.serial(n_steps):
                         k = q_start + i
                         slot = i % dq_stages
