@@ -1,7 +1,13 @@
-"""GPU tests carry the `gpu` marker and skip cleanly on a machine without CUDA."""
+"""GPU tests carry the `gpu` marker and skip cleanly on a machine without CUDA; each runs under a
+watchdog, so a deadlocked kernel (the hand-scheduled ones wait on mbarriers) fails the run with a
+traceback instead of hanging it."""
+
+import faulthandler
 
 import pytest
 import torch
+
+GPU_TEST_WATCHDOG_S = 600  # far above any GPU test's time, compile included
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,3 +27,15 @@ def poisoned_empty():
     torch.utils.deterministic.fill_uninitialized_memory = True
     yield
     torch.use_deterministic_algorithms(was)
+
+
+@pytest.fixture(autouse=True)
+def gpu_watchdog(request):
+    """Exit the process, dumping every thread's stack, if a GPU test runs past the watchdog
+    (a Python exception could not interrupt a thread blocked in a CUDA synchronize)."""
+    if "gpu" not in request.keywords:
+        yield
+        return
+    faulthandler.dump_traceback_later(GPU_TEST_WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

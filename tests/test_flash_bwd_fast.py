@@ -1,12 +1,11 @@
 """The hand-scheduled Hopper backward (example_mha_bwd_wgmma_pipelined.py): its generated code
 holds the schedule, fits the SM and spills nothing (CPU, sm_90a builds), and every gradient
-matches the reference on a GPU (marker ``gpu``; each GPU test runs under a watchdog, so a
-deadlocked kernel fails the run instead of hanging it).
+matches the reference on a GPU (marker ``gpu``; conftest's watchdog turns a deadlocked kernel
+into a failed run instead of a hung one).
 
 Its reference, command line and bad-input checks are shared with the plain scripts in
 test_flash_bwd_mha.py."""
 
-import faulthandler
 import math
 import re
 import subprocess
@@ -17,17 +16,6 @@ from helpers import load_script, rel_err
 
 FAST = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
 SMEM_LIMIT = 232448  # bytes of shared memory one thread block may use on an H100
-WATCHDOG_S = 240  # a GPU test taking longer than this has deadlocked: exit with a traceback
-
-
-@pytest.fixture(autouse=True)
-def watchdog(request):
-    if "gpu" not in request.keywords:
-        yield
-        return
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def ptxas_report(source, arch="sm_90a"):
@@ -117,6 +105,19 @@ def test_default_config_is_hopper_only(capsys):
     with pytest.raises(SystemExit):
         mod.main(["--compile-only", "--arch", "sm_100a"])
     assert "Hopper" in capsys.readouterr().err
+
+
+def test_compile_only_main(capsys):
+    """``--compile-only`` builds the four kernels (the shapes of the schedule test above, so
+    TileLang's kernel cache serves them) and names them."""
+    argv = ["--compile-only", "--batch", "2", "--heads", "4", "--seq_len", "1000"]
+    argv += ["--seq_len_k", "777", "--dim", "64", "--dtype", "bfloat16"]
+    load_script(FAST).main(argv)
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out
+    for name in ("flash_fwd:", "flash_bwd_prep:", "flash_bwd:", "flash_bwd_post:"):
+        assert name in out
+    assert "bulk-reduce" in out
 
 
 def test_forward_is_the_persistent_sibling():

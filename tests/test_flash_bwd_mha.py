@@ -291,11 +291,11 @@ def test_gradients_match_reference(case, poisoned_empty):
     q, k, v, dout = make_inputs(script, B, Sq, Sk, H, D, dtype, "cuda", scale)
     out, dq, dk, dv = grads_of(mod.attention, q, k, v, dout, causal=causal)
     ref_out, ref_dq, ref_dk, ref_dv = mod.reference_grads(q, k, v, dout, causal, D**-0.5)
-    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 forward (GUIDE §2)
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 forward
     for name, got, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
         assert got.dtype == dtype and got.shape == ref.shape, name
         err = rel_err(got, ref)
-        assert err < 2e-2, f"{name}: relative error {err:.3e}"  # fp16/bf16 gradients (GUIDE §2)
+        assert err < 2e-2, f"{name}: relative error {err:.3e}"  # fp16/bf16 gradients
     if causal and Sq > Sk:  # rows that see no key: exactly 0, never NaN
         assert torch.all(seq_slice(script, out, 0, Sq - Sk) == 0)
         assert torch.all(seq_slice(script, dq, 0, Sq - Sk) == 0)
@@ -311,7 +311,7 @@ def test_expanded_dout_and_softmax_scale(script, poisoned_empty):
     dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
     ref = mod.reference_grads(q, k, v, torch.ones_like(out), True, 0.05)
     for name, got, expect in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[1:], strict=True):
-        assert rel_err(got, expect) < 2e-2, name  # fp16/bf16 gradients (GUIDE §2)
+        assert rel_err(got, expect) < 2e-2, name  # fp16/bf16 gradients
 
 
 @pytest.mark.gpu
