@@ -64,8 +64,13 @@ def test_generated_code_holds_the_schedule(dim, causal):
     assert bwd.count("wgmma_rs") == 2 * 2  # dV and dK take P and dS from registers
     assert bwd.count("__sync_thread_partial(8, 256)") == 2  # one named barrier a step
     assert "fence_proxy_async" in bwd
-    assert "tma_store_add" in bwd  # dQ: TMA bulk reduce-add (cp.reduce.async.bulk)
-    assert "AtomicAdd" not in bwd  # ... and no per-thread atomics
+    # dQ: stored in accumulator order by 16-byte vectors, then one bulk reduce-add (the 1-D
+    # form: shared address, global address, byte count) a step, and no per-thread atomics.
+    assert bwd.count("*(float4*)(((float*)dq_shared)") == 2
+    assert re.search(
+        r"tma_store_add\(\(&\(\(\(float\*\)dq_shared\)\[[^]]*\]\)\), \(&\(dQ_accum\[", bwd
+    )
+    assert "AtomicAdd" not in bwd
     assert "tma_load" in src["flash_fwd"] and "wgmma" in src["flash_fwd"]
 
 
@@ -125,6 +130,23 @@ def test_forward_is_the_persistent_sibling():
     mod = load_script(FAST)
     assert mod.fwd.__file__.endswith("flash_attention/example_mha_fwd_bshd.py")
     assert not hasattr(mod, "flashattn_fwd")
+
+
+@pytest.mark.parametrize("cols", [64, 80, 128])
+def test_accumulator_order(cols):
+    """``accumulator_index`` places a [64, cols] tile one-to-one onto 0 … 64·cols − 1, so that
+    the four floats a thread holds in one 8-column group (rows r, r + 8; columns c, c + 1) are
+    one 16-byte vector, and the 128 threads' vectors of a group are consecutive."""
+    mod = load_script(FAST)
+    index = {(r, c): mod.accumulator_index(r, c) for r in range(64) for c in range(cols)}
+    assert sorted(index.values()) == list(range(64 * cols))
+    for t in range(128):
+        warp, lane = divmod(t, 32)
+        r = 16 * warp + lane // 4
+        for g in range(cols // 8):
+            c = 8 * g + 2 * (lane % 4)
+            held = [(r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)]
+            assert [index[e] for e in held] == [(g * 128 + t) * 4 + e for e in range(4)]
 
 
 def test_padded_stats_length():

@@ -19,8 +19,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   into a ``num_stages``-deep ring; each buffer has a "full" mbarrier (the TMA load's bytes
   complete it) and an "empty" one (the consumers arrive when they no longer read it). Warp 1
   waits until the consumers have put this step's dQ tile in shared memory and adds it into the
-  float32 dQ accumulator in global memory with one TMA reduce-add (``cp.reduce.async.bulk``),
-  off the consumers' path.
+  float32 dQ accumulator in global memory with one bulk reduce-add (``cp.reduce.async.bulk
+  .add.f32``, a single instruction for the whole tile), off the consumers' path.
 - Two consumer warpgroups (240 registers), 64 keys each, dK and dV in registers. Each runs its
   own copy of the loop (a ``T.macro`` called under an ``if`` on the warpgroup), so every
   shared-memory offset in its WGMMA descriptors is a constant, not a register. Every score
@@ -40,15 +40,19 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   so the exponentials run under the dPᵀ GEMM, and the dQ GEMM, its hand-off and the dK GEMM
   overlap. dQ is computed transposed so that the head dim is the GEMM's M: each warpgroup
   takes half of it (D = 128), or half of the queries (D = 64, where half the head dim would be
-  smaller than WGMMA's M of 64), and the float32 accumulator holds dQᵀ per head. dSᵀ is
+  smaller than WGMMA's M of 64). The dQ tile is the kernel's heaviest shared-memory traffic,
+  so it is stored in the order the threads hold it (``accumulator_index``): every thread writes
+  16 bytes at a time and consecutive threads write consecutive addresses, which keeps the
+  stores free of bank conflicts and makes the tile one contiguous block for the bulk
+  reduce-add; the float32 accumulator keeps that order, one block per query block. dSᵀ is
   double-buffered in shared memory, so the one barrier per step is enough: a warpgroup writes
   buffer ``i % 2`` at step ``i`` only after both passed step ``i − 1``'s barrier, that is,
   after both finished step ``i − 2``'s dQ GEMM, the last reader of that buffer.
 - A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
   units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
   get P = 0 without a mask, and every TMA box starts 16-byte aligned); one after
-  (``flash_bwd_post``) transposes the float32 dQᵀ back, scales it and converts it to the input
-  dtype.
+  (``flash_bwd_post``) puts the float32 dQ tiles back in order, scales them and converts them to
+  the input dtype.
 
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
@@ -98,6 +102,23 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # Named barrier for the two consumer warpgroups (ids below 8 are left to TileLang's own passes).
 DS_READY = 8
+
+
+def accumulator_index(r, c):
+    """Where element (r, c) of a 64-row WGMMA accumulator tile goes when its threads store it
+    in the order they hold it. Thread t of the warpgroup (warp t // 32, lane t % 32) holds rows
+    16·warp + lane // 4 and that + 8, columns 8·g + 2·(lane % 4) and that + 1, for every group g
+    of 8 columns: four floats per group, stored as one 16-byte vector at (g·128 + t)·4."""
+    thread = (r // 16) * 32 + (r % 8) * 4 + (c % 8) // 2
+    return ((c // 8) * 128 + thread) * 4 + (r % 16) // 8 * 2 + c % 2
+
+
+@T.macro
+def bulk_reduce_add(dst, src, count):
+    """dst[0:count] += src[0:count] (float32, global += shared) with one bulk asynchronous
+    reduce-add. TileLang's ``T.atomic_add(..., use_tma=True)`` splits a tile into boxes of at
+    most 256 elements; a contiguous tile needs only this one instruction."""
+    T.call_extern("handle", "tl::tma_store_add", T.address_of(src), T.address_of(dst), count * 4)
 
 
 def padded_len(seq_q, block_N):
@@ -181,6 +202,7 @@ def flash_bwd(
     dq_split_dim = dim >= 128
     dq_rows = dim // 2 if dq_split_dim else dim
     dq_cols = block_N if dq_split_dim else block_N // 2
+    dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared):
@@ -284,10 +306,8 @@ def flash_bwd(
             T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
             slot = i % dq_stages
             T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-            if dq_split_dim:
-                T.copy(dq, dq_shared[slot, wg * dq_rows : (wg + 1) * dq_rows, :])
-            else:
-                T.copy(dq, dq_shared[slot, :, wg * dq_cols : (wg + 1) * dq_cols])
+            for r, c in T.Parallel(dq_rows, dq_cols):  # 16-byte stores, no bank conflicts
+                dq_shared[slot, wg * (dq_tile // 2) + accumulator_index(r, c)] = dq[r, c]
             T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
             T.barrier_arrive(dq_full[slot])
             T.wait_wgmma(0)  # dK is done: Q is free
@@ -307,7 +327,7 @@ def flash_bwd(
         dO: T.Tensor(q_shape, dtype),
         lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
-        dQ_accum: T.Tensor([batch, heads, dim, seq_q_pad], accum_dtype),
+        dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
@@ -319,7 +339,7 @@ def flash_bwd(
             lse_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
             delta_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
             ds_shared = T.alloc_shared([2, block_M, block_N], dtype)
-            dq_shared = T.alloc_shared([dq_stages, dim, block_N], accum_dtype)  # dQᵀ tiles
+            dq_shared = T.alloc_shared([dq_stages, dq_tile], accum_dtype)  # accumulator order
 
             # mbarriers. "full": producer warp 0 (32 threads) arrives and its TMA loads complete
             # the byte count; "empty": every consumer thread arrives once it no longer reads the
@@ -386,17 +406,16 @@ def flash_bwd(
                         T.barrier_arrive(do_full[stage])
                 elif tx < consumers + 64:
                     # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
-                    # their P is 0). The reduce-add waits until TMA has read the tile, so
-                    # arriving on dq_empty hands the buffer back.
+                    # their P is 0). Waiting until the reduce-add has read the tile, then
+                    # arriving on dq_empty, hands the buffer back.
                     for i in T.serial(n_steps):
                         k = q_start + i
                         slot = i % dq_stages
                         T.mbarrier_wait_parity(dq_full[slot], (i // dq_stages) & 1)
-                        T.atomic_add(
-                            dQ_accum[bz, by, :, k * block_N : (k + 1) * block_N],
-                            dq_shared[slot, :, :],
-                            use_tma=True,
-                        )
+                        if tx == consumers + 32:
+                            bulk_reduce_add(dQ_accum[bz, by, k, 0], dq_shared[slot, 0], dq_tile)
+                            T.tma_store_arrive()
+                            T.tma_store_wait(0)
                         T.barrier_arrive(dq_empty[slot])
             else:
                 # ----------------------------------------------------------- consumer warpgroups
@@ -422,24 +441,30 @@ def flash_bwd(
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flash_bwd_post(batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="float16", block=64):
-    """dQ = softmax_scale · dQ_accumᵀ: the float32 accumulator holds dQᵀ per head
-    ([B, H, D, Sq_pad], as the backward kernel's tiles leave it); transposed back and converted
-    to the input dtype."""
+    """dQ = softmax_scale · dQ_accum, back in [B, Sq, H, D] order: ``dQ_accum`` holds, per query
+    block of ``block`` (the backward's ``block_N``), the float32 dQᵀ tile in the order the
+    backward's two consumer warpgroups stored it (``accumulator_index``)."""
     accum_dtype = "float32"
+    dq_split_dim = dim >= 128  # the backward's split: halves of D, or halves of the queries
+    dq_rows = dim // 2 if dq_split_dim else dim
+    dq_cols = block if dq_split_dim else block // 2
+    half = dq_rows * dq_cols
 
     @T.prim_func
     def flash_bwd_post(
-        dQ_accum: T.Tensor([batch, heads, dim, seq_q_pad], accum_dtype),
+        dQ_accum: T.Tensor([batch, heads, seq_q_pad // block, dim * block], accum_dtype),
         dQ: T.Tensor([batch, seq_q, heads, dim], dtype),
     ):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
-            dq_t = T.alloc_shared([dim, block], accum_dtype)
+            tile = T.alloc_shared([dim * block], accum_dtype)
             dq_cast = T.alloc_fragment([block, dim], dtype)
-            # Swizzled, so that reading it down its columns is free of bank conflicts.
-            T.annotate_layout({dq_t: tilelang.layout.make_full_bank_swizzled_layout(dq_t)})
-            T.copy(dQ_accum[bz, by, :, bx * block : (bx + 1) * block], dq_t)
-            for i, j in T.Parallel(block, dim):
-                dq_cast[i, j] = dq_t[j, i] * softmax_scale
+            T.copy(dQ_accum[bz, by, bx, :], tile)  # one contiguous block
+            for i, d in T.Parallel(block, dim):  # query i, head dim d (dQᵀ: row d, column i)
+                if dq_split_dim:
+                    at = (d // dq_rows) * half + accumulator_index(d % dq_rows, i)
+                else:
+                    at = (i // dq_cols) * half + accumulator_index(d, i % dq_cols)
+                dq_cast[i, d] = tile[at] * softmax_scale
             T.copy(dq_cast, dQ[bz, bx * block : (bx + 1) * block, by, :])
 
     return flash_bwd_post
@@ -451,14 +476,15 @@ def default_config(dim, causal, arch="sm_90a"):
     ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles in
     shared memory.
 
-    Measured on an H100 (2026-11-22, backward kernel alone, B4 H32 S4096 D128 / B8 H32 S4096
-    D64, fp16, same run): D=128 takes 64 queries a step (80, FlashAttention-3's choice for
-    non-causal, measured level: 514 against 516 TFLOP/s; causal 453 against 458); D=64 takes 128.
-    One dQ tile beat two (D128 516 against 506, D64 472 against 461: the second tile frees the
-    consumers from waiting for the reduce-add, but that wait was short, and shared-memory
-    bandwidth, not latency, is what the kernel runs out of). Adding dQ with vector atomics
-    straight from registers instead of the TMA reduce-add lost clearly (D128 423, causal 395,
-    D64 397 TFLOP/s). ``causal`` does not change the choice.
+    Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
+    process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
+    measured level: 529 against 528 TFLOP/s at B4 H32 S4096, 557 against 561 at S8192, causal
+    444 against 443); D=64 takes 128. One dQ tile beat two at D=128 (525 against 515 TFLOP/s,
+    S8192 547 against 530, causal 435 against 438) and is level at D=64 (462 against 456): the
+    second tile frees the consumers from waiting for the reduce-add, but that wait is short.
+    Adding dQ with vector atomics straight from registers instead of the reduce-add lost
+    clearly (kernel alone, with the earlier transposed dQ tile: D128 423 against 516, causal
+    395 against 453, D64 397 against 472). ``causal`` does not change the choice.
     """
     del causal
     if not arch.startswith("sm_90"):
@@ -531,13 +557,14 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     flash_bwd_prep(B, H, Sq, seq_q_pad, D, dtype)(out, dout, lse, delta, lse2)
-    # dQᵀ per head, float32: the backward kernel's reduce-adds land here.
-    dq_accum = torch.zeros(B, H, D, seq_q_pad, dtype=torch.float32, device=q.device)
+    # dQᵀ tiles, float32, one per query block: the backward kernel's reduce-adds land here.
+    n_blocks = seq_q_pad // cfg["block_N"]
+    dq_accum = torch.zeros(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     kernel = flash_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
     kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv)
     dq = torch.empty_like(q)
-    flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype)(dq_accum, dq)
+    flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype, cfg["block_N"])(dq_accum, dq)
     return dq, dk, dv
 
 
@@ -675,11 +702,12 @@ def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=Non
     cfg = config or default_config(dim, causal, arch)
     fwd_cfg = fwd.default_config(dim, causal, arch, seq_k)
     seq_q_pad = padded_len(seq_q, cfg["block_N"])
+    post_cfg = {"block": cfg["block_N"]}
     kernels = {
         "flash_fwd": (fwd.flashattn_fwd, (seq_q, seq_k, dim, causal, scale, dtype), fwd_cfg),
         "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {}),
         "flash_bwd": (flash_bwd, (seq_q, seq_k, dim, causal, scale, dtype), cfg),
-        "flash_bwd_post": (flash_bwd_post, (seq_q, seq_q_pad, dim, scale, dtype), {}),
+        "flash_bwd_post": (flash_bwd_post, (seq_q, seq_q_pad, dim, scale, dtype), post_cfg),
     }
     return {
         name: harness.compile_for(fn, arch, batch, heads, *args, **kw).get_kernel_source()
