@@ -82,7 +82,7 @@ def flashattn_fwd(
     neg_inf = -T.infinity(accum_dtype)
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor([batch, seq_q, heads, dim_qk], dtype),
         K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
         V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
@@ -168,7 +168,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -179,7 +179,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim_v, dtype="float16", block=
     shape = [batch, seq_q, heads, dim_v]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
@@ -196,7 +196,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim_v, dtype="float16", block=
             T.reduce_sum(acc, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
-    return main
+    return flash_bwd_prep
 
 
 def padded_rows(seq_q):
@@ -256,7 +256,7 @@ def flashattn_bwd(
     dq_shape = [batch, padded_rows(seq_q), heads, dim_qk]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
         V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
@@ -374,7 +374,7 @@ def flashattn_bwd(
                     dK[bx % groups, bz, by * block_M : (by + 1) * block_M, bx // groups, :],
                 )
 
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -384,7 +384,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim_qk, dtype="float16", bloc
     shape = [batch, seq_q, heads, dim_qk]
 
     @T.prim_func
-    def main(
+    def flash_bwd_post(
         dQ: T.Tensor([batch, padded_rows(seq_q), heads, dim_qk], accum_dtype),
         dQ_out: T.Tensor(shape, dtype),
     ):
@@ -395,7 +395,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim_qk, dtype="float16", bloc
                 dQ_out[bz, bx * block : (bx + 1) * block, by, :],
             )
 
-    return main
+    return flash_bwd_post
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -404,7 +404,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, splits, dtype="fl
     accum_dtype = "float32"
 
     @T.prim_func
-    def main(
+    def flash_bwd_post_kv(
         dX: T.Tensor([splits, batch, seq_kv, heads_kv, dim], accum_dtype),
         dX_out: T.Tensor([batch, seq_kv, heads_kv, dim], dtype),
     ):
@@ -418,7 +418,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, splits, dtype="fl
                     acc[i, j] += part[i, j]
             T.copy(acc, dX_out[bz, bx * block : (bx + 1) * block, by, :])
 
-    return main
+    return flash_bwd_post_kv
 
 
 # ----------------------------------------------------------------------------- configurations

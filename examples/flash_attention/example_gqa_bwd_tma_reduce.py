@@ -67,7 +67,7 @@ def flashattn_fwd(
     neg_inf = -T.infinity(accum_dtype)
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor([batch, seq_q, heads, dim_qk], dtype),
         K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
         V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
@@ -153,7 +153,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -164,7 +164,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim_v, dtype="float16", block=
     shape = [batch, seq_q, heads, dim_v]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
@@ -181,7 +181,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim_v, dtype="float16", block=
             T.reduce_sum(acc, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
-    return main
+    return flash_bwd_prep
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -216,7 +216,7 @@ def flashattn_bwd(
     q_shape = [batch, seq_q, heads, dim_qk]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
         V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
@@ -323,7 +323,7 @@ def flashattn_bwd(
             T.atomic_add(dV[bz, by * block_M : (by + 1) * block_M, bx // groups, :], dv_shared)
             T.atomic_add(dK[bz, by * block_M : (by + 1) * block_M, bx // groups, :], dk_shared)
 
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -332,7 +332,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim_qk, dtype="float16", bloc
     accum_dtype = "float32"
 
     @T.prim_func
-    def main(
+    def flash_bwd_post(
         dQ: T.Tensor([batch, heads, seq_q, dim_qk], accum_dtype),
         dQ_out: T.Tensor([batch, seq_q, heads, dim_qk], dtype),
     ):
@@ -342,7 +342,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim_qk, dtype="float16", bloc
                 dQ_out[bz, bx * block : (bx + 1) * block, by, :],
             )
 
-    return main
+    return flash_bwd_post
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -352,14 +352,14 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, dtype="float16", 
     shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(dX: T.Tensor(shape, accum_dtype), dX_out: T.Tensor(shape, dtype)):
+    def flash_bwd_post_kv(dX: T.Tensor(shape, accum_dtype), dX_out: T.Tensor(shape, dtype)):
         with T.Kernel(T.ceildiv(seq_kv, block), heads_kv, batch, threads=128) as (bx, by, bz):
             T.copy(
                 dX[bz, bx * block : (bx + 1) * block, by, :],
                 dX_out[bz, bx * block : (bx + 1) * block, by, :],
             )
 
-    return main
+    return flash_bwd_post_kv
 
 
 # ----------------------------------------------------------------------------- configurations

@@ -98,7 +98,7 @@ def flashattn_fwd_varlen(
     stats_len = T.dynamic("stats_len")
 
     @T.prim_func
-    def main(
+    def flash_fwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
         K: T.Tensor([total_k, heads_kv, dim], dtype),
         V: T.Tensor([total_k, heads_kv, dim], dtype),
@@ -224,7 +224,7 @@ def flashattn_fwd_varlen(
                             T.infinity(accum_dtype),
                         )
 
-    return main
+    return flash_fwd_varlen
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -236,7 +236,7 @@ def flashattn_bwd_preprocess(heads, dim, dtype="float16", block=64):
     total_q, batch, stats_len = T.dynamic("total_q, batch, stats_len")
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor([total_q, heads, dim], dtype),
         dO: T.Tensor([total_q, heads, dim], dtype),
         cu_seqlens_q: T.Tensor([batch + 1], "int32"),
@@ -263,7 +263,7 @@ def flashattn_bwd_preprocess(heads, dim, dtype="float16", block=64):
                     if row0 + i < seq_len_q:
                         Delta[by, delta_start + row0 + i] = delta[i]
 
-    return main
+    return flash_bwd_prep
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -294,7 +294,7 @@ def flashattn_bwd_varlen(
     stats_len = T.dynamic("stats_len")  # lse/Delta rows in the aligned layout (docstring)
 
     @T.prim_func
-    def main(
+    def flash_bwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
         K: T.Tensor([total_k, heads_kv, dim], dtype),
         V: T.Tensor([total_k, heads_kv, dim], dtype),
@@ -427,7 +427,7 @@ def flashattn_bwd_varlen(
                 T.atomic_add(dV[kv0 : kv0 + block_M, bx // groups, :], dv)
                 T.atomic_add(dK[kv0 : kv0 + block_M, bx // groups, :], dk)
 
-    return main
+    return flash_bwd_varlen
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -437,7 +437,7 @@ def flashattn_bwd_postprocess(heads, dim, dtype="float16", block=64):
     total_q = T.dynamic("total_q")
 
     @T.prim_func
-    def main(
+    def flash_bwd_post(
         dQ: T.Tensor([heads, total_q, dim], accum_dtype),
         dQ_out: T.Tensor([total_q, heads, dim], dtype),
     ):
@@ -447,7 +447,7 @@ def flashattn_bwd_postprocess(heads, dim, dtype="float16", block=64):
                 dQ_out[bx * block : (bx + 1) * block, by, :],
             )
 
-    return main
+    return flash_bwd_post
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -457,7 +457,7 @@ def flashattn_bwd_postprocess_kv(heads_kv, dim, dtype="float16", block=64):
     total_k = T.dynamic("total_k")
 
     @T.prim_func
-    def main(
+    def flash_bwd_post_kv(
         dX: T.Tensor([total_k, heads_kv, dim], accum_dtype),
         dX_out: T.Tensor([total_k, heads_kv, dim], dtype),
     ):
@@ -467,7 +467,7 @@ def flashattn_bwd_postprocess_kv(heads_kv, dim, dtype="float16", block=64):
                 dX_out[bx * block : (bx + 1) * block, by, :],
             )
 
-    return main
+    return flash_bwd_post_kv
 
 
 # ----------------------------------------------------------------------------- configurations

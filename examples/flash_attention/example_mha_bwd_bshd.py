@@ -81,7 +81,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -169,7 +169,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -180,7 +180,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
     shape = [batch, seq_q, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
@@ -199,7 +199,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
             T.reduce_sum(prod, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
-    return main
+    return flash_bwd_prep
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -229,7 +229,7 @@ def flashattn_bwd(
     kv_shape = [batch, seq_kv, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -333,7 +333,7 @@ def flashattn_bwd(
             T.copy(dk, dK_shared)
             T.copy(dK_shared, dK[bz, bx * block_M : (bx + 1) * block_M, by, :])
 
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -343,7 +343,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
     shape = [batch, seq_q, heads, dim]
 
     @T.prim_func
-    def main(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
+    def flash_bwd_post(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
             dq = T.alloc_fragment([block, dim], accum_dtype)
             dq_cast = T.alloc_fragment([block, dim], dtype)
@@ -351,7 +351,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
             T.copy(dq, dq_cast)
             T.copy(dq_cast, dQ[bz, bx * block : (bx + 1) * block, by, :])
 
-    return main
+    return flash_bwd_post
 
 
 # ----------------------------------------------------------------------------- configurations

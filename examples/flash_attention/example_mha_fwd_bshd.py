@@ -143,7 +143,7 @@ def flashattn_fwd(
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -326,7 +326,7 @@ def flashattn_fwd(
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
 
-    return main
+    return flash_fwd
 
 
 def default_config(dim, causal, arch="sm_90a", seq_len=None):

@@ -74,7 +74,7 @@ def flashattn_fwd_varlen(
     total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
 
     @T.prim_func
-    def main(
+    def flash_fwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
         K: T.Tensor([total_k, heads, dim], dtype),
         V: T.Tensor([total_k, heads, dim], dtype),
@@ -199,7 +199,7 @@ def flashattn_fwd_varlen(
                             T.infinity(accum_dtype),
                         )
 
-    return main
+    return flash_fwd_varlen
 
 
 def default_config(dim, causal, arch="sm_90a"):

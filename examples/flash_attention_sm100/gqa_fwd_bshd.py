@@ -88,7 +88,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -198,7 +198,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 def flashattn_ss(*args, **kwargs):

@@ -79,7 +79,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -189,7 +189,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernel
@@ -223,7 +223,7 @@ def flashattn_bwd(
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -321,7 +321,7 @@ def flashattn_bwd(
                     dK[bz, bx * block_M + i, kv_head, j] = dk[i, j]
                     dV[bz, bx * block_M + i, kv_head, j] = dv[i, j]
 
-    return main
+    return flash_bwd
 
 
 def smem_bytes_bwd(dim, block_M, block_N, elem_bytes=2):

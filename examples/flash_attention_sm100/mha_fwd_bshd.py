@@ -85,7 +85,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -195,7 +195,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -233,7 +233,7 @@ def flashattn_fwd_wasp(
     kv_shape = [batch, seq_kv, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd_wasp(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -382,7 +382,7 @@ def flashattn_fwd_wasp(
                             T.infinity(accum_dtype),
                         )
 
-    return main
+    return flash_fwd_wasp
 
 
 def flashattn_ss(*args, **kwargs):

@@ -33,7 +33,7 @@ def gemm(M, N, K, dtype="bfloat16", block_M=128, block_N=256, block_K=64):
     accum_dtype = "float32"
 
     @T.prim_func
-    def main(
+    def gemm(
         A: T.Tensor([M, K], dtype),
         B: T.Tensor([K, N], dtype),
         C: T.Tensor([M, N], dtype),
@@ -58,7 +58,7 @@ def gemm(M, N, K, dtype="bfloat16", block_M=128, block_N=256, block_K=64):
             T.copy(C_local, C_shared)
             T.copy(C_shared, C[by * block_M, bx * block_N])
 
-    return main
+    return gemm
 
 
 DEFAULT_TILES = dict(block_M=128, block_N=256, block_K=64)
