@@ -546,7 +546,7 @@ def main(argv=None):
         out, lse = attention(q, k, v, args.causal, scale, return_lse=True, config=config)
         ref_out, ref_lse = ref_program(q, k, v, args.causal, scale, return_lse=True)
         print(f"check B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")
-        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
     if args.bench:

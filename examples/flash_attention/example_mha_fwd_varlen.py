@@ -564,7 +564,7 @@ def main(argv=None):
         out_pad = bp.pad_input(out, indices_q, B, Sq)
         ref = ref_padded(q_pad, k_pad, v_pad, mask_q, mask_k, args.causal, scale)
         _, ref_lse = ref_program(*varlen, args.causal, scale, return_lse=True)
-        harness.check_close("out", out_pad, ref, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out_pad, ref, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
     if args.bench:

@@ -537,9 +537,9 @@ def main(argv=None):
         ref = ref_program(q, k, v, args.causal, scale)
         ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
         print(f"check B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")
-        harness.check_close("out", out, ref, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out, ref, rtol=1e-2)  # fp16/bf16 forward
         for name, g, rg in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
-            harness.check_close(name, g, rg, rtol=2e-2)  # gradients: GUIDE §2
+            harness.check_close(name, g, rg, rtol=2e-2)  # gradients
 
     if args.bench:
         flops = harness.attention_flops(B, H, Sq, Sk, D, D, args.causal, backward=True)
