@@ -23,18 +23,28 @@ The float32 dQ accumulator has an annotated layout (``dq_layout``): a GEMM accum
 thread two neighbouring columns of an 8×8 tile, and the layout places what a warp holds for one
 8×8 tile in 32 consecutive floats, so each per-element atomic instruction of a warp touches one
 128-byte line (example_gqa_bwd_tma_reduce.py replaces these atomics by TMA bulk reductions).
-TileLang once auto-vectorized atomic adds from the *logical* index, ignoring such a layout
-(fixed upstream in #1676, before 0.1.15: the 0.1.15 code issues one scalar atomic per element
-here, each at its laid-out address); the GPU tests compare dQ at shapes where that mistake
-would show.
-
-Measured on an H100 80GB HBM3 (2026-11-22; H32 Hkv8 S4096 fp16, backward alone, default tiles):
-D128 B4 atomic 393 TFLOP/s (causal 358), split 367, against SDPA FLASH (FA2) 299 (causal 274) and
-cuDNN 455-468 (causal 418); D192/128 B2 atomic 318, cuDNN 272 (FA2 has no 192/128 kernel).
-All 33 GPU tests of tests/test_flash_bwd_gqa.py passed there.
+Under this layout columns ``d`` and ``d + 1`` of a row lie 32 floats apart, so an atomic add
+that vectorized them together would be wrong: the dQ atomics stay scalar, one per element at
+its laid-out address (the ``atomic`` strategy's dK/dV, in a plain layout, are vectorized).
+Measured speeds are in the README.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", config=None)
+
+    q: (batch, seqlen_q, nheads, headdim_qk), float16 or bfloat16, on a CUDA device.
+    k: (batch, seqlen_k, nheads_k, headdim_qk); v: (batch, seqlen_k, nheads_k, headdim_v);
+        nheads a multiple of nheads_k; (headdim_qk, headdim_v) one of ``HEAD_DIMS``
+        (64/64, 128/128, 192/128).
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim_qk).
+    strategy: "atomic" or "split". How a group's dK/dV are combined (above).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
 Run:
     python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal --strategy split
@@ -453,7 +463,7 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
 
 
 def tune_configs(dim_qk, dim_v):
-    """The space ``--tune`` searches (and the lead compares on a GPU)."""
+    """The space ``--tune`` searches."""
     configs = [
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=1, threads=256),

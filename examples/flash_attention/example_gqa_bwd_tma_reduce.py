@@ -15,12 +15,24 @@ in registers, postprocess — but with the dQ traffic handed to the Hopper TMA e
   ``T.atomic_add`` of the whole tile from shared memory, which TileLang vectorizes to four-float
   atomics (``AtomicAddx4``) on SM90; the postprocess casts it.
 
-Measured on an H100 80GB HBM3 (2026-11-22; B4 H32 Hkv8 S4096 D128 fp16, backward alone, default
-tiles): 358-375 TFLOP/s, SDPA FLASH (FA2) 299, cuDNN 472 — the atomic dQ of example_gqa_bwd.py
-measured 393 in the same session; the GPU tests (33 cases with the other script) passed.
+Measured speeds, beside example_gqa_bwd.py's atomic dQ, are in the README.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, config=None)
+
+    q: (batch, seqlen_q, nheads, headdim_qk), float16 or bfloat16, on a CUDA device.
+    k: (batch, seqlen_k, nheads_k, headdim_qk); v: (batch, seqlen_k, nheads_k, headdim_v);
+        nheads a multiple of nheads_k; (headdim_qk, headdim_v) one of ``HEAD_DIMS``
+        (64/64, 128/128, 192/128).
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim_qk).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
 Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce.py --groups 4 --causal
@@ -394,7 +406,7 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
 
 
 def tune_configs(dim_qk, dim_v):
-    """The space ``--tune`` searches (and the lead compares on a GPU)."""
+    """The space ``--tune`` searches."""
     configs = [
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=1, threads=256),

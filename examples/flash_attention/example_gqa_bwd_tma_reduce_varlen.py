@@ -44,6 +44,22 @@ keeps the row stride a multiple of 16 bytes, as a tensor map needs.
 not recompile. Causal masking is aligned bottom-right per sequence: query ``i`` sees key ``j``
 when ``j <= i + seq_len_k - seq_len_q``. Rows that see no key give out 0, lse +inf and dq 0.
 
+API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.md):
+
+    attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal=False, softmax_scale=None, config=None)
+
+    q: (total_q, nheads, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (total_k, nheads_k, headdim), same dtype and device; nheads a multiple of nheads_k.
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,), int32, on q's device. Cumulative sequence
+        lengths, starting at 0.
+    max_seqlen_q, max_seqlen_k: int. At least the longest query / key sequence.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (total_q, nheads, headdim), differentiable (``torch.autograd``).
+
 Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --groups 4 --causal
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --compile-only  # no GPU

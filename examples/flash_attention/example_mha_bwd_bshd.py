@@ -21,8 +21,8 @@ needed for dK and dV (the GQA backward scripts show that case).
 This is the plain lesson: the algorithm in its shortest form, with TileLang's automatic pipeline
 choosing the schedule. example_mha_bwd_wgmma_pipelined.py computes the same thing with
 FlashAttention-3's schedule written out by hand (warp roles, mbarriers, asynchronous WGMMA
-chains, dQ by TMA reduce-add) and is 1.10–1.39× faster on the backward sweep of the README
-(``benchmarks/results/bwd.md``).
+chains, dQ by TMA reduce-add) and runs faster: README, "Backward", and
+``benchmarks/results/bwd.md``.
 
 What it shows on Hopper: TMA loads of the Q/dO/lse/delta tiles in a producer warpgroup, WGMMA for
 the five GEMMs (the two that take ``Pᵀ`` and ``dSᵀ`` straight from registers use the register-A
@@ -36,6 +36,19 @@ diagonal; the loop starts at the first query block that sees any key of the bloc
 Head dims 64 and 128 (dK and dV for 128 keys × 128 dims already fill most of the registers of two
 warpgroups; 256 would need a different split); fp16 and bf16; any Sq, Sk (an empty
 sequence launches nothing).
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, config=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (batch, seqlen_k, nheads, headdim), same dtype and device.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim), differentiable
+        (``torch.autograd``): its backward runs the kernels above.
 
 Run:
     python examples/flash_attention/example_mha_bwd_bshd.py --causal --dtype bfloat16

@@ -21,6 +21,20 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
 
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, config=None)
+
+    q: (batch, nheads, seqlen_q, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64, 128 or 256.
+    k, v: (batch, nheads, seqlen_k, headdim), same dtype and device.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, the log-sum-exp
+        (natural log) of each row of QKᵀ · softmax_scale.
+    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
+    Returns out: (batch, nheads, seqlen_q, headdim), or (out, lse) when return_lse.
+
 Run:
     python examples/flash_attention/example_mha_fwd_bhsd.py --causal --dtype bfloat16
     python examples/flash_attention/example_mha_fwd_bhsd.py --compile-only --arch sm_90a  # no GPU

@@ -19,9 +19,22 @@ blocks of those heads add into float32 dK/dV with atomic adds as well.
 Causal masking is aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk - Sq``);
 rows that see no key give zero output and zero gradients.
 
-No Blackwell GPU has run this script here: every kernel is compiled for sm_100a and its generated
-code inspected by tests/test_sm100.py. On a B200, ``main`` checks out, dQ, dK, dV against autograd
-through ``ref_program`` and benchmarks against SDPA's backward.
+Status: every kernel is compiled for sm_100a and its generated code inspected by
+tests/test_sm100.py; the script has not been run on Blackwell hardware yet. On a B200, ``main``
+checks out, dQ, dK, dV against autograd through ``ref_program`` and benchmarks against SDPA's
+backward.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64 or 128.
+    k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device;
+        nheads a multiple of nheads_k.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    Returns out: (batch, seqlen_q, nheads, headdim), differentiable (``torch.autograd``).
 
 Run:
     python examples/flash_attention_sm100/gqa_bwd_bshd.py --groups 8 --causal
