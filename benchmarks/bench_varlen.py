@@ -14,9 +14,9 @@ bf16 — the setting of FlashAttention-3's published varlen figures. For each:
   and cuDNN on the padded equivalent — the batch padded to its longest sequence, which is what
   a model without varlen kernels runs.
 
-FLOPs count the useful work of the packed batch (summed per sequence, GUIDE §3) for every row of
-a report, padded peers included, so TFLOP/s compare as times. Each of our rows is checked
-against SDPA FLASH run sequence by sequence before it is timed.
+FLOPs count the useful work of the packed batch (summed per sequence, as docs/CONVENTIONS.md
+says) for every row of a report, padded peers included, so TFLOP/s compare as times. Each of our
+rows is checked against SDPA FLASH run sequence by sequence before it is timed.
 
 Writes ``<out>/varlen.json`` (one record per implementation and setting) and
 ``<out>/varlen.md`` (the tables).
@@ -108,7 +108,7 @@ def forward_rows(fwd, dense, lengths, causal, dtype_name, dense_seqlens):
     varlen = (p["q"], p["k"], p["v"], cu, cu, max_len, max_len)
     ref = sdpa_per_sequence(p["q"], p["k"], p["v"], p["dout"], cu, causal, scale)[0]
     out = fwd.attention_varlen(*varlen, causal, scale)
-    rel = harness.check_close("out", out, ref, 1e-2)  # fp16/bf16 forward: GUIDE §2
+    rel = harness.check_close("out", out, ref, 1e-2)  # fp16/bf16 forward
 
     setting = {"dtype": dtype_name, "causal": causal, "tokens": TOKENS, "B": len(lengths)}
     ours = {"tilelang varlen": lambda: fwd.attention_varlen(*varlen, causal, scale)}
@@ -154,7 +154,7 @@ def backward_rows(bwd, lengths, causal, dtype_name):
     grads = torch.autograd.grad(out, leaves, p["dout"], retain_graph=True)
     ref = sdpa_per_sequence(p["q"], p["k"], p["v"], p["dout"], cu, causal, scale)
     rels = [
-        harness.check_close(f"d{n}", g, r, 2e-2)  # fp16/bf16 gradients: GUIDE §2
+        harness.check_close(f"d{n}", g, r, 2e-2)  # fp16/bf16 gradients
         for n, g, r in zip("qkv", grads, ref[1:], strict=True)
     ]
     ours = {

@@ -23,7 +23,7 @@ ARCHS = ("sm_80", "sm_89", "sm_90a", "sm_100a")
 def base_parser(
     description: str, *, dim: int = 128, seq_len: int = 4096
 ) -> argparse.ArgumentParser:
-    """The flags every attention script shares (GUIDE §1)."""
+    """The flags every attention script shares (docs/CONVENTIONS.md, "Command line")."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=32)
@@ -84,8 +84,9 @@ def describe_source(name: str, source: str) -> str:
 
 # ----------------------------------------------------------------------------- correctness
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out−ref‖/‖ref‖ over the reference's finite entries (GUIDE §2's metric); inf unless out's
-    non-finite entries are exactly the reference's (same places, same infinities, never NaN)."""
+    """‖out−ref‖/‖ref‖ over the reference's finite entries (docs/CONVENTIONS.md, "Correctness");
+    inf unless out's non-finite entries are exactly the reference's (same places, same
+    infinities, never NaN)."""
     out, ref = out.float(), ref.float()
     finite = torch.isfinite(ref)
     if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
@@ -95,7 +96,8 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, rtol: float) -> float:
-    """Relative error ‖out−ref‖/‖ref‖ must stay under ``rtol``; NaN/Inf never pass."""
+    """Relative error ‖out−ref‖/‖ref‖ must stay under ``rtol``; NaN/Inf never pass. The
+    tolerances the scripts use are in docs/CONVENTIONS.md, "Correctness"."""
     if out.shape != ref.shape:
         raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     rel = rel_error(out, ref)
@@ -121,7 +123,8 @@ def bench_ms(fn) -> float:
 
 
 def attention_flops(batch, heads, seq_q, seq_k, dim_qk, dim_v, causal, backward=False) -> float:
-    """GUIDE §3: 2·B·H·Sq·Sk·(Dqk+Dv), halved for causal, ×2.5 for the backward."""
+    """2·B·H·Sq·Sk·(Dqk+Dv), halved for causal, ×2.5 for the backward (docs/CONVENTIONS.md,
+    "Benchmarks")."""
     flops = 2.0 * batch * heads * seq_q * seq_k * (dim_qk + dim_v)
     if causal and seq_q == seq_k:
         flops *= 0.5  # the convention every FlashAttention benchmark uses
@@ -214,7 +217,7 @@ def report(title: str, ours: dict, peers: dict, flops: float, rounds: int = 3) -
 
 # ----------------------------------------------------------------------------- backward scripts
 def check_grads(grads: dict, refs: dict, rtol: float = 2e-2) -> dict:
-    """check_close for every named gradient (GUIDE §2: fp16/bf16 gradients under 2e-2)."""
+    """check_close for every named gradient (fp16/bf16 gradients: relative error under 2e-2)."""
     return {name: check_close(name, grads[name], refs[name], rtol) for name in refs}
 
 
@@ -307,7 +310,7 @@ def fa3_varlen_forward():
 
 
 def varlen_flops(cu_seqlens_q, cu_seqlens_k, heads, dim_qk, dim_v, causal, backward=False):
-    """GUIDE §3 for a packed batch: ``attention_flops`` summed over the sequences."""
+    """FLOPs of a packed batch: ``attention_flops`` summed over the sequences."""
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     lengths = zip(
         (b - a for a, b in zip(bounds_q[:-1], bounds_q[1:], strict=True)),

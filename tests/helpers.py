@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))  # harness.py, as the scripts' main() does
 
-from harness import rel_error as rel_err  # noqa: E402, F401  (GUIDE §2's one error metric)
+from harness import rel_error as rel_err  # noqa: E402, F401  (the scripts' error metric)
 
 _loaded = {}
 

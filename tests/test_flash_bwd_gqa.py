@@ -309,7 +309,7 @@ def _case_id(case):
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gradients_match_reference(variant, case, poisoned_empty):
     """out (rel < 1e-2) and dq, dk, dv (rel < 2e-2) against autograd through ref_program in
-    float32 (GUIDE §2); every buffer the kernels fill starts as NaN (poisoned_empty)."""
+    float32; every buffer the kernels fill starts as NaN (poisoned_empty)."""
     from helpers import rel_err
 
     script, strategy = variant
@@ -324,9 +324,9 @@ def test_gradients_match_reference(variant, case, poisoned_empty):
         n: rel_err(a, b)
         for n, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref, strict=True)
     }
-    assert errors["out"] < 1e-2, errors  # fp16/bf16 forward: GUIDE §2
+    assert errors["out"] < 1e-2, errors  # fp16/bf16 forward
     for name in ("dq", "dk", "dv"):
-        assert errors[name] < 2e-2, errors  # fp16/bf16 gradients: GUIDE §2
+        assert errors[name] < 2e-2, errors  # fp16/bf16 gradients
     if causal and Sq > Sk:  # rows that see no key: out 0, dq 0 exactly
         assert torch.all(out[:, : Sq - Sk] == 0) and torch.all(dq[:, : Sq - Sk] == 0)
 

@@ -1,5 +1,5 @@
 """Dense forward scripts: references, command lines, sm_90a builds, bad input (CPU) and the
-GUIDE §2 correctness matrix on a GPU (marker ``gpu``)."""
+correctness matrix of docs/CONVENTIONS.md ("Correctness") on a GPU (marker ``gpu``)."""
 
 import math
 import re
@@ -250,8 +250,9 @@ def test_poisoned_empty_fixture_poisons(poisoned_empty):
 
 # ----------------------------------------------------------------------------- GPU
 def _gpu_cases():
-    """A covering set of GUIDE §2's matrix: every S, D, causal, dtype, group count and Sq != Sk
-    appear, without the full cartesian product (each case compiles its own kernel)."""
+    """A covering set of the shapes docs/CONVENTIONS.md requires: every S, D, causal, dtype,
+    group count and Sq != Sk appear, without the full cartesian product (each case compiles its
+    own kernel)."""
     f16, bf16 = torch.float16, torch.bfloat16
     cases = []  # (script, B, Sq, Sk, H, Hkv, D, causal, dtype, input scale)
     for D in (64, 128, 256):
@@ -321,7 +322,7 @@ def test_forward_matches_reference(case, poisoned_empty):
     q, k, v = make_inputs(script, B, Sq, Sk, H, Hkv, D, dtype, "cuda", scale)
     out, lse = mod.attention(q, k, v, causal=causal, return_lse=True)
     ref_out, ref_lse = mod.ref_program(q, k, v, causal=causal, return_lse=True)
-    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 output (GUIDE §2)
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 output
     assert rel_err(lse, ref_lse) < 1e-4  # lse comes from fp32 scores: much tighter
     if causal and Sq > Sk:  # rows that see no key: exactly 0 and +inf, never NaN
         rows = out[:, :, : Sq - Sk] if script == BHSD else out[:, : Sq - Sk]
@@ -343,7 +344,7 @@ def test_tune_space_is_correct(dim, cfg):
     q, k, v = make_inputs(BSHD, 2, 300, 333, 3, 3, dim, torch.float16, "cuda")
     out, lse = mod.attention(q, k, v, causal=True, return_lse=True, config=cfg)
     ref_out, ref_lse = mod.ref_program(q, k, v, causal=True, return_lse=True)
-    assert rel_err(out, ref_out) < 1e-2  # fp16 output (GUIDE §2)
+    assert rel_err(out, ref_out) < 1e-2  # fp16 output
     assert rel_err(lse, ref_lse) < 1e-4
 
 

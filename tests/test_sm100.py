@@ -323,7 +323,7 @@ def test_gpu_mha_forward(variant, causal, Sq, Sk):
     q, k, v = (t.cuda().bfloat16() for t in _inputs(Sq, Sk, 4, 4, Dh=128, dtype=torch.float32))
     out, lse = mod.attention(q, k, v, causal, return_lse=True, variant=variant)
     ref, ref_lse = mod.ref_program(q, k, v, causal, return_lse=True)
-    assert rel_err(out, ref) < 1e-2  # fp16/bf16 forward: GUIDE §2
+    assert rel_err(out, ref) < 1e-2  # fp16/bf16 forward
     assert rel_err(lse, ref_lse) < 1e-3  # fp32 statistics
 
 
@@ -340,7 +340,7 @@ def test_gpu_gqa_forward(variant, groups, causal):
     inputs = _inputs(1000, 1000, 8, 8 // groups, Dh=64, dtype=torch.float32)
     q, k, v = (t.cuda().half() for t in inputs)
     out = mod.attention(q, k, v, causal, variant=variant)
-    assert rel_err(out, mod.ref_program(q, k, v, causal)) < 1e-2  # GUIDE §2
+    assert rel_err(out, mod.ref_program(q, k, v, causal)) < 1e-2  # fp16/bf16 forward
 
 
 @pytest.mark.parametrize("script", [MHA_BWD, GQA_BWD])
@@ -356,9 +356,9 @@ def test_gpu_backward(script, causal, Sq, Sk):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref = mod.ref_program(q, k, v, causal)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-    assert rel_err(out, ref) < 1e-2  # forward: GUIDE §2
+    assert rel_err(out, ref) < 1e-2  # forward
     for g, rg in zip(grads, ref_grads, strict=True):
-        assert rel_err(g, rg) < 2e-2  # gradients: GUIDE §2
+        assert rel_err(g, rg) < 2e-2  # gradients
 
 
 @pytest.mark.parametrize("script", [GEMM, GEMM_WS])

@@ -380,7 +380,7 @@ def _case_id(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _forward_cases(), ids=_case_id)
 def test_forward_matches_reference(case, poisoned_empty):
-    """out (rel < 1e-2, GUIDE §2) and, where exposed, lse against ref_program in float32; every
+    """out (rel < 1e-2) and, where exposed, lse against ref_program in float32; every
     buffer the kernels fill starts as NaN (poisoned_empty). Rows that see no key are exactly 0
     (and lse +inf), never NaN."""
     from helpers import rel_err
@@ -396,7 +396,7 @@ def test_forward_matches_reference(case, poisoned_empty):
         out, lse = mod.attention_varlen(*args, return_lse=True)
         assert lse.shape == ref_lse.shape
         assert rel_err(lse, ref_lse) < 1e-4  # lse comes from fp32 scores: much tighter
-    assert rel_err(out, ref_out) < 1e-2, rel_err(out, ref_out)  # fp16/bf16 output (GUIDE §2)
+    assert rel_err(out, ref_out) < 1e-2, rel_err(out, ref_out)  # fp16/bf16 output
     no_key = ref_lse.isposinf().all(dim=0)  # query rows that see no key
     assert torch.all(out[no_key] == 0)
 
@@ -461,8 +461,8 @@ def _bwd_case_id(case):
 @pytest.mark.parametrize("case", _backward_cases(), ids=_bwd_case_id)
 def test_gradients_match_reference(case, poisoned_empty):
     """out (rel < 1e-2) and dq, dk, dv (rel < 2e-2) against autograd through ref_program in
-    float32 (GUIDE §2); every buffer the kernels fill starts as NaN (poisoned_empty). Query rows
-    that see no key get out 0 and dq 0; keys that no query sees get dk = dv = 0."""
+    float32; every buffer the kernels fill starts as NaN (poisoned_empty). Query rows that see
+    no key get out 0 and dq 0; keys that no query sees get dk = dv = 0."""
     from helpers import rel_err
 
     mod = load_script(GQA_BWD)
@@ -474,9 +474,9 @@ def test_gradients_match_reference(case, poisoned_empty):
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = mod.ref_program(*ref_leaves, *varlen, causal, return_lse=True)
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.float())
-    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 forward: GUIDE §2
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 forward
     for name, a, b in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_err(a, b) < 2e-2, f"d{name}: {rel_err(a, b):.3e}"  # gradients: GUIDE §2
+        assert rel_err(a, b) < 2e-2, f"d{name}: {rel_err(a, b):.3e}"  # gradients
     no_key = ref_lse.isposinf().all(dim=0)
     assert torch.all(out[no_key] == 0) and torch.all(grads[0][no_key] == 0)
     unseen = (ref_grads[2] == 0).flatten(1).all(dim=1)  # keys no query sees (exact in fp32)
@@ -500,7 +500,7 @@ def test_backward_saves_only_what_it_uses_and_takes_expanded_dout(poisoned_empty
     ref = mod.ref_program(*ref_leaves, *varlen, causal=True, softmax_scale=0.05)
     ref_grads = torch.autograd.grad(ref.sum(), ref_leaves)
     for name, a, b in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_err(a, b) < 2e-2, f"d{name}"  # fp16/bf16 gradients: GUIDE §2
+        assert rel_err(a, b) < 2e-2, f"d{name}"  # fp16/bf16 gradients
 
 
 @pytest.mark.gpu

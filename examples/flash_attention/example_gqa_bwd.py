@@ -23,18 +23,28 @@ The float32 dQ accumulator has an annotated layout (``dq_layout``): a GEMM accum
 thread two neighbouring columns of an 8×8 tile, and the layout places what a warp holds for one
 8×8 tile in 32 consecutive floats, so each per-element atomic instruction of a warp touches one
 128-byte line (example_gqa_bwd_tma_reduce.py replaces these atomics by TMA bulk reductions).
-TileLang once auto-vectorized atomic adds from the *logical* index, ignoring such a layout
-(fixed upstream in #1676, before 0.1.15: the 0.1.15 code issues one scalar atomic per element
-here, each at its laid-out address); the GPU tests compare dQ at shapes where that mistake
-would show.
-
-Measured on an H100 80GB HBM3 (2026-11-22; H32 Hkv8 S4096 fp16, backward alone, default tiles):
-D128 B4 atomic 393 TFLOP/s (causal 358), split 367, against SDPA FLASH (FA2) 299 (causal 274) and
-cuDNN 455-468 (causal 418); D192/128 B2 atomic 318, cuDNN 272 (FA2 has no 192/128 kernel).
-All 33 GPU tests of tests/test_flash_bwd_gqa.py passed there.
+Under this layout columns ``d`` and ``d + 1`` of a row lie 32 floats apart, so an atomic add
+that vectorized them together would be wrong: the dQ atomics stay scalar, one per element at
+its laid-out address (the ``atomic`` strategy's dK/dV, in a plain layout, are vectorized).
+Measured speeds are in the README.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", config=None)
+
+    q: (batch, seqlen_q, nheads, headdim_qk), float16 or bfloat16, on a CUDA device.
+    k: (batch, seqlen_k, nheads_k, headdim_qk); v: (batch, seqlen_k, nheads_k, headdim_v);
+        nheads a multiple of nheads_k; (headdim_qk, headdim_v) one of ``HEAD_DIMS``
+        (64/64, 128/128, 192/128).
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim_qk).
+    strategy: "atomic" or "split". How a group's dK/dV are combined (above).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
 Run:
     python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal --strategy split
@@ -82,7 +92,7 @@ def flashattn_fwd(
     neg_inf = -T.infinity(accum_dtype)
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor([batch, seq_q, heads, dim_qk], dtype),
         K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
         V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
@@ -168,7 +178,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -179,7 +189,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim_v, dtype="float16", block=
     shape = [batch, seq_q, heads, dim_v]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
@@ -196,7 +206,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim_v, dtype="float16", block=
             T.reduce_sum(acc, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
-    return main
+    return flash_bwd_prep
 
 
 def padded_rows(seq_q):
@@ -256,7 +266,7 @@ def flashattn_bwd(
     dq_shape = [batch, padded_rows(seq_q), heads, dim_qk]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
         V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
@@ -374,7 +384,7 @@ def flashattn_bwd(
                     dK[bx % groups, bz, by * block_M : (by + 1) * block_M, bx // groups, :],
                 )
 
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -384,7 +394,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim_qk, dtype="float16", bloc
     shape = [batch, seq_q, heads, dim_qk]
 
     @T.prim_func
-    def main(
+    def flash_bwd_post(
         dQ: T.Tensor([batch, padded_rows(seq_q), heads, dim_qk], accum_dtype),
         dQ_out: T.Tensor(shape, dtype),
     ):
@@ -395,7 +405,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim_qk, dtype="float16", bloc
                 dQ_out[bz, bx * block : (bx + 1) * block, by, :],
             )
 
-    return main
+    return flash_bwd_post
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -404,7 +414,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, splits, dtype="fl
     accum_dtype = "float32"
 
     @T.prim_func
-    def main(
+    def flash_bwd_post_kv(
         dX: T.Tensor([splits, batch, seq_kv, heads_kv, dim], accum_dtype),
         dX_out: T.Tensor([batch, seq_kv, heads_kv, dim], dtype),
     ):
@@ -418,7 +428,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, splits, dtype="fl
                     acc[i, j] += part[i, j]
             T.copy(acc, dX_out[bz, bx * block : (bx + 1) * block, by, :])
 
-    return main
+    return flash_bwd_post_kv
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -453,7 +463,7 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
 
 
 def tune_configs(dim_qk, dim_v):
-    """The space ``--tune`` searches (and the lead compares on a GPU)."""
+    """The space ``--tune`` searches."""
     configs = [
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=1, threads=256),
@@ -653,14 +663,15 @@ def make_inputs(batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, dtype, devi
 def check(
     batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, dtype, strategy, config=None
 ):
-    """Out and dq, dk, dv against autograd through ``ref_program`` (GUIDE §2 tolerances)."""
+    """Out and dq, dk, dv against autograd through ``ref_program`` (fp16/bf16 tolerances: out
+    1e-2, gradients 2e-2, relative)."""
     harness = _harness()
     q, k, v, dout = make_inputs(batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, dtype)
     scale = 1.0 / math.sqrt(dim_qk)
     out = attention(q, k, v, causal, scale, strategy, config)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, dout, causal, scale)
-    harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+    harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
     harness.check_grads({"dq": dq, "dk": dk, "dv": dv}, {"dq": ref_dq, "dk": ref_dk, "dv": ref_dv})
 
 

@@ -22,6 +22,21 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
 
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, config=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64, 128 or 256.
+    k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device;
+        nheads a multiple of nheads_k.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, the log-sum-exp
+        (natural log) of each row of QKᵀ · softmax_scale.
+    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim), or (out, lse) when return_lse.
+
 Run:
     python examples/flash_attention/example_gqa_fwd_bshd.py --groups 8 --causal
     python examples/flash_attention/example_gqa_fwd_bshd.py --compile-only --arch sm_90a  # no GPU
@@ -148,7 +163,7 @@ def flashattn_fwd(
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -331,7 +346,7 @@ def flashattn_fwd(
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
 
-    return main
+    return flash_fwd
 
 
 def default_config(dim, causal, arch="sm_90a", seq_len=None):
@@ -546,7 +561,7 @@ def main(argv=None):
         out, lse = attention(q, k, v, args.causal, scale, return_lse=True, config=config)
         ref_out, ref_lse = ref_program(q, k, v, args.causal, scale, return_lse=True)
         print(f"check B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")
-        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
     if args.bench:

@@ -38,6 +38,24 @@ Causal masking is aligned bottom-right per sequence (as FlashAttention ≥ 2.1):
 sequence sees its key ``j`` when ``j <= i + seq_len_k - seq_len_q``. A query row that sees no key
 (or whose sequence has no keys) gives ``out = 0`` and ``lse = +inf``, never NaN.
 
+API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.md):
+
+    attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal=False, softmax_scale=None, return_lse=False, config=None)
+
+    q: (total_q, nheads, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (total_k, nheads_k, headdim), same dtype and device;
+        nheads a multiple of nheads_k.
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,), int32, on q's device. Cumulative sequence
+        lengths, starting at 0.
+    max_seqlen_q, max_seqlen_k: int. At least the longest query / key sequence.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    return_lse: bool. Also return lse: (nheads, total_q), float32, natural log.
+    config: dict. Tile configuration (block_M, block_N, num_stages, threads); default
+        ``default_config``.
+    Returns out: (total_q, nheads, headdim), or (out, lse) when return_lse.
+
 Run:
     python examples/flash_attention/example_gqa_fwd_varlen.py --groups 8 --causal
     python examples/flash_attention/example_gqa_fwd_varlen.py --compile-only --arch sm_90a  # no GPU
@@ -80,7 +98,7 @@ def flashattn_fwd_varlen(
     total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
 
     @T.prim_func
-    def main(
+    def flash_fwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
         K: T.Tensor([total_k, heads_kv, dim], dtype),
         V: T.Tensor([total_k, heads_kv, dim], dtype),
@@ -205,7 +223,7 @@ def flashattn_fwd_varlen(
                             T.infinity(accum_dtype),
                         )
 
-    return main
+    return flash_fwd_varlen
 
 
 def default_config(dim, causal, arch="sm_90a"):
@@ -580,7 +598,7 @@ def main(argv=None):
         out_pad = bp.pad_input(out, indices_q, B, Sq)
         ref = ref_padded(q_pad, k_pad, v_pad, mask_q, mask_k, args.causal, scale)
         _, ref_lse = ref_program(*varlen, args.causal, scale, return_lse=True)
-        harness.check_close("out", out_pad, ref, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out_pad, ref, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
     if args.bench:

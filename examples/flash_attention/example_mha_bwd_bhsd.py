@@ -22,8 +22,8 @@ needed for dK and dV (the GQA backward scripts show that case).
 This is the plain lesson: the algorithm in its shortest form, with TileLang's automatic pipeline
 choosing the schedule. example_mha_bwd_wgmma_pipelined.py (BSHD layout) computes the same thing with
 FlashAttention-3's schedule written out by hand (warp roles, mbarriers, asynchronous WGMMA
-chains, dQ by TMA reduce-add) and is 1.10–1.39× faster on the backward sweep of the README
-(``benchmarks/results/bwd.md``).
+chains, dQ by TMA reduce-add) and runs faster: README, "Backward", and
+``benchmarks/results/bwd.md``.
 
 What it shows on Hopper: TMA loads of the Q/dO/lse/delta tiles in a producer warpgroup, WGMMA for
 the five GEMMs (the two that take ``Pᵀ`` and ``dSᵀ`` straight from registers use the register-A
@@ -37,6 +37,19 @@ diagonal; the loop starts at the first query block that sees any key of the bloc
 Head dims 64 and 128 (dK and dV for 128 keys × 128 dims already fill most of the registers of two
 warpgroups; 256 would need a different split); fp16 and bf16; any Sq, Sk (an empty
 sequence launches nothing).
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, config=None)
+
+    q: (batch, nheads, seqlen_q, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (batch, nheads, seqlen_k, headdim), same dtype and device.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, nheads, seqlen_q, headdim), differentiable
+        (``torch.autograd``): its backward runs the kernels above.
 
 Run:
     python examples/flash_attention/example_mha_bwd_bhsd.py --causal --dtype bfloat16
@@ -82,7 +95,7 @@ def flashattn_fwd(
     kv_shape = [batch, heads, seq_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -170,7 +183,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -181,7 +194,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
     shape = [batch, heads, seq_q, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
@@ -200,7 +213,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
             T.reduce_sum(prod, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
-    return main
+    return flash_bwd_prep
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -230,7 +243,7 @@ def flashattn_bwd(
     kv_shape = [batch, heads, seq_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -334,7 +347,7 @@ def flashattn_bwd(
             T.copy(dk, dK_shared)
             T.copy(dK_shared, dK[bz, by, bx * block_M : (bx + 1) * block_M, :])
 
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -344,7 +357,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
     shape = [batch, heads, seq_q, dim]
 
     @T.prim_func
-    def main(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
+    def flash_bwd_post(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
             dq = T.alloc_fragment([block, dim], accum_dtype)
             dq_cast = T.alloc_fragment([block, dim], dtype)
@@ -352,7 +365,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
             T.copy(dq, dq_cast)
             T.copy(dq_cast, dQ[bz, by, bx * block : (bx + 1) * block, :])
 
-    return main
+    return flash_bwd_post
 
 
 # ----------------------------------------------------------------------------- configurations

@@ -21,8 +21,8 @@ needed for dK and dV (the GQA backward scripts show that case).
 This is the plain lesson: the algorithm in its shortest form, with TileLang's automatic pipeline
 choosing the schedule. example_mha_bwd_wgmma_pipelined.py computes the same thing with
 FlashAttention-3's schedule written out by hand (warp roles, mbarriers, asynchronous WGMMA
-chains, dQ by TMA reduce-add) and is 1.10–1.39× faster on the backward sweep of the README
-(``benchmarks/results/bwd.md``).
+chains, dQ by TMA reduce-add) and runs faster: README, "Backward", and
+``benchmarks/results/bwd.md``.
 
 What it shows on Hopper: TMA loads of the Q/dO/lse/delta tiles in a producer warpgroup, WGMMA for
 the five GEMMs (the two that take ``Pᵀ`` and ``dSᵀ`` straight from registers use the register-A
@@ -36,6 +36,19 @@ diagonal; the loop starts at the first query block that sees any key of the bloc
 Head dims 64 and 128 (dK and dV for 128 keys × 128 dims already fill most of the registers of two
 warpgroups; 256 would need a different split); fp16 and bf16; any Sq, Sk (an empty
 sequence launches nothing).
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, config=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (batch, seqlen_k, nheads, headdim), same dtype and device.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim), differentiable
+        (``torch.autograd``): its backward runs the kernels above.
 
 Run:
     python examples/flash_attention/example_mha_bwd_bshd.py --causal --dtype bfloat16
@@ -81,7 +94,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -169,7 +182,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -180,7 +193,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
     shape = [batch, seq_q, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd_prep(
         Output: T.Tensor(shape, dtype),
         dO: T.Tensor(shape, dtype),
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
@@ -199,7 +212,7 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
             T.reduce_sum(prod, delta, dim=1)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
-    return main
+    return flash_bwd_prep
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -229,7 +242,7 @@ def flashattn_bwd(
     kv_shape = [batch, seq_kv, heads, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -333,7 +346,7 @@ def flashattn_bwd(
             T.copy(dk, dK_shared)
             T.copy(dK_shared, dK[bz, bx * block_M : (bx + 1) * block_M, by, :])
 
-    return main
+    return flash_bwd
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -343,7 +356,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
     shape = [batch, seq_q, heads, dim]
 
     @T.prim_func
-    def main(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
+    def flash_bwd_post(dQ_accum: T.Tensor(shape, accum_dtype), dQ: T.Tensor(shape, dtype)):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
             dq = T.alloc_fragment([block, dim], accum_dtype)
             dq_cast = T.alloc_fragment([block, dim], dtype)
@@ -351,7 +364,7 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
             T.copy(dq, dq_cast)
             T.copy(dq_cast, dQ[bz, bx * block : (bx + 1) * block, by, :])
 
-    return main
+    return flash_bwd_post
 
 
 # ----------------------------------------------------------------------------- configurations

@@ -26,9 +26,25 @@ GQA changes, in any variant.
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
 
-No Blackwell GPU has run this script here: every kernel is compiled for sm_100a and its generated
-code inspected by tests/test_sm100.py. On a B200, ``main`` runs the full numeric check and
-benchmark.
+Status: every kernel is compiled for sm_100a and its generated code inspected by
+tests/test_sm100.py; the script has not been run on Blackwell hardware yet. On a B200, ``main``
+runs the full numeric check and benchmark.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
+              variant="ts", config=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64 or 128.
+    k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device;
+        nheads a multiple of nheads_k.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, natural log.
+    variant: one of "ss", "ts" (above).
+    config: dict. Tiles (block_M, block_N); default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim), or (out, lse) when return_lse.
 
 Run:
     python examples/flash_attention_sm100/gqa_fwd_bshd.py --groups 8 --variant ts --causal
@@ -88,7 +104,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -198,7 +214,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 def flashattn_ss(*args, **kwargs):
@@ -422,7 +438,7 @@ def main(argv=None):
         out, lse = attention(q, k, v, args.causal, scale, return_lse=True, variant=args.variant)
         ref_out, ref_lse = ref_program(q, k, v, args.causal, scale, return_lse=True)
         print(f"check {args.variant} B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} causal={args.causal}")
-        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
     if args.bench:

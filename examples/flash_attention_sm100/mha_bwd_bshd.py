@@ -18,9 +18,21 @@ adds. dK and dV belong to one block each and are stored directly.
 Causal masking is aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk - Sq``);
 rows that see no key give zero output and zero gradients.
 
-No Blackwell GPU has run this script here: every kernel is compiled for sm_100a and its generated
-code inspected by tests/test_sm100.py. On a B200, ``main`` checks out, dQ, dK, dV against autograd
-through ``ref_program`` and benchmarks against SDPA's backward.
+Status: every kernel is compiled for sm_100a and its generated code inspected by
+tests/test_sm100.py; the script has not been run on Blackwell hardware yet. On a B200, ``main``
+checks out, dQ, dK, dV against autograd through ``ref_program`` and benchmarks against SDPA's
+backward.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64 or 128.
+    k, v: (batch, seqlen_k, nheads, headdim), same dtype and device.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    Returns out: (batch, seqlen_q, nheads, headdim), differentiable (``torch.autograd``).
 
 Run:
     python examples/flash_attention_sm100/mha_bwd_bshd.py --causal
@@ -79,7 +91,7 @@ def flashattn_fwd(
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -189,7 +201,7 @@ def flashattn_fwd(
                         T.infinity(accum_dtype),
                     )
 
-    return main
+    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernel
@@ -223,7 +235,7 @@ def flashattn_bwd(
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
     @T.prim_func
-    def main(
+    def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(kv_shape, dtype),
         V: T.Tensor(kv_shape, dtype),
@@ -321,7 +333,7 @@ def flashattn_bwd(
                     dK[bz, bx * block_M + i, kv_head, j] = dk[i, j]
                     dV[bz, bx * block_M + i, kv_head, j] = dv[i, j]
 
-    return main
+    return flash_bwd
 
 
 def smem_bytes_bwd(dim, block_M, block_N, elem_bytes=2):
@@ -530,9 +542,9 @@ def main(argv=None):
         ref = ref_program(q, k, v, args.causal, scale)
         ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
         print(f"check B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")
-        harness.check_close("out", out, ref, rtol=1e-2)  # fp16/bf16 forward: GUIDE §2
+        harness.check_close("out", out, ref, rtol=1e-2)  # fp16/bf16 forward
         for name, g, rg in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
-            harness.check_close(name, g, rg, rtol=2e-2)  # gradients: GUIDE §2
+            harness.check_close(name, g, rg, rtol=2e-2)  # gradients
 
     if args.bench:
         flops = harness.attention_flops(B, H, Sq, Sk, D, D, args.causal, backward=True)

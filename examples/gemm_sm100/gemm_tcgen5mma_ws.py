@@ -9,8 +9,17 @@ accumulator; the four warps then read the result out. They talk only through mba
 finds every stage free whatever ``num_stages`` is.
 
 Tiles are checked against SM100's 232448 bytes of shared memory per block (``smem_bytes``).
-No Blackwell GPU has run this script here; tests/test_sm100.py compiles it for sm_100a and
-inspects the generated code. On a B200, ``main`` checks against torch.matmul and benchmarks.
+Status: tests/test_sm100.py compiles it for sm_100a and inspects the generated code; it has
+not been run on Blackwell hardware yet. On a B200, ``main`` checks against torch.matmul and
+benchmarks.
+
+API:
+
+    matmul(a, b, tiles=None)
+
+    a: (M, K), b: (K, N), both float16 or both bfloat16, on a CUDA device.
+    tiles: dict of block_M, block_N, block_K, num_stages; default ``DEFAULT_TILES``.
+    Returns c = a @ b: (M, N), in a's dtype (accumulated in float32).
 
 Run:
     python examples/gemm_sm100/gemm_tcgen5mma_ws.py --m 8192 --n 8192 --k 8192
@@ -35,7 +44,7 @@ def gemm(M, N, K, dtype="bfloat16", block_M=128, block_N=256, block_K=64, num_st
     accum_dtype = "float32"
 
     @T.prim_func
-    def main(
+    def gemm(
         A: T.Tensor([M, K], dtype),
         B: T.Tensor([K, N], dtype),
         C: T.Tensor([M, N], dtype),
@@ -93,7 +102,7 @@ def gemm(M, N, K, dtype="bfloat16", block_M=128, block_N=256, block_K=64, num_st
             T.copy(C_local, C_shared)
             T.copy(C_shared, C[by * block_M, bx * block_N])
 
-    return main
+    return gemm
 
 
 DEFAULT_TILES = dict(block_M=128, block_N=256, block_K=64, num_stages=3)
