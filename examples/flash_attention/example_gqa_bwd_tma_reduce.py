@@ -39,6 +39,7 @@ import torch
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128))  # (Dqk, Dv) pairs this script builds
+ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA loads and reduce-adds, WGMMA)
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -366,7 +367,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, dtype="float16", 
 def forward_config(dim_qk, dim_v, arch="sm_90a"):
     """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_bshd.py)."""
     if not arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=64, num_stages=1, threads=128)
+        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
     if dim_qk <= 64:
         return dict(block_M=128, block_N=128, num_stages=2, threads=256)
     if dim_qk <= 128:
@@ -387,7 +388,7 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
     """
     del causal
     if not arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
     if dim_qk + dim_v <= 256:
         return dict(block_M=128, block_N=64, num_stages=2, threads=256)
     return dict(block_M=128, block_N=32, num_stages=2, threads=256)
@@ -420,8 +421,6 @@ def _check_inputs(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
         if t.stride(-1) != 1:
@@ -559,9 +558,11 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0])
+    dims = tuple(sorted({dqk for dqk, _ in HEAD_DIMS}))
+    parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=dims)
     parser.add_argument("--groups", type=int, default=4, help="query heads per kv head")
-    parser.add_argument("--dim_v", type=int, default=None, help="V head dim (default: --dim)")
+    dims_v = tuple(sorted({dv for _, dv in HEAD_DIMS}))
+    parser.add_argument("--dim_v", type=int, choices=dims_v, help="V head dim (default: --dim)")
     return parser
 
 
@@ -680,7 +681,7 @@ def main(argv=None):
             print(harness.describe_source(name, src))
         return
 
-    harness.require_gpu(script)
+    harness.require_gpu(script, capability=(9, 0))
     dtype = harness.DTYPES[args.dtype]
     configs = {"tilelang[tma-reduce]": None}
     if args.tune:  # every tune_configs entry side by side in one report

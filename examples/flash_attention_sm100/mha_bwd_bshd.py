@@ -43,6 +43,7 @@ PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
 }
 HEAD_DIMS = (64, 128)
+ARCHS = ("sm_100a",)  # --arch: Blackwell only (TCGEN05 MMA, tensor memory)
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may use on SM100 (227 KB)
 TMEM_COLUMNS = 512  # 128 lanes × 512 columns of 32 bits per SM
 
@@ -489,8 +490,9 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0], seq_len=2048)
-    parser.set_defaults(arch="sm_100a")
+    parser = _harness().base_parser(
+        __doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS, seq_len=2048
+    )
     return parser
 
 
@@ -503,8 +505,6 @@ def main(argv=None):
     Sk = args.seq_len_k or Sq
     scale = 1.0 / math.sqrt(D)
     script = pathlib.Path(__file__).name
-    if D not in HEAD_DIMS:
-        parser.error(f"--dim must be one of {HEAD_DIMS}, got {D}")
 
     if args.compile_only:
         kargs = (B, H, Hkv, Sq, Sk, D, args.causal, scale, args.dtype)
