@@ -5,7 +5,11 @@ without a GPU.
 
 example_mha_bwd_wgmma_pipelined.py is left out here while it is being reworked."""
 
+import math
+
+import numpy as np
 import pytest
+import torch
 from helpers import load_script
 
 HOPPER, BLACKWELL = ("sm_90a",), ("sm_100a",)
@@ -82,3 +86,101 @@ def test_gqa_bwd_builds_for_sm80(capsys):
     argv = ["--compile-only", "--arch", "sm_80", "--heads", "8", "--seq_len", "255", "--causal"]
     load_script("flash_attention/example_gqa_bwd.py").main(argv)
     assert "built for sm_80" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def arguments(script, B=2, Sq=5, Sk=7, D=64, Hkv=None, device="cpu", dtype=torch.float16):
+    """Valid keyword arguments for the script's attention function (``attention_varlen`` for the
+    packed scripts: B sequences of Sq queries and Sk keys)."""
+    H, Hkv = 4, (2 if "gqa" in script else 4) if Hkv is None else Hkv
+    pairs = script.endswith(("example_gqa_bwd.py", "example_gqa_bwd_tma_reduce.py"))
+    Dv = 128 if pairs and D == 192 else D  # their (Dqk, Dv) pairs: 192 goes with 128
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device).to(dtype)
+
+    if "varlen" in script:
+        cu_q, cu_k = (
+            torch.tensor([S * b for b in range(B + 1)], dtype=torch.int32) for S in (Sq, Sk)
+        )
+        return dict(
+            q=randn(B * Sq, H, D), k=randn(B * Sk, Hkv, D), v=randn(B * Sk, Hkv, Dv),
+            cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device),
+            max_seqlen_q=Sq, max_seqlen_k=Sk,
+        )  # fmt: skip
+    if "bhsd" in script:
+        return dict(q=randn(B, H, Sq, D), k=randn(B, Hkv, Sk, D), v=randn(B, Hkv, Sk, Dv))
+    return dict(q=randn(B, Sq, H, D), k=randn(B, Sk, Hkv, D), v=randn(B, Sk, Hkv, Dv))
+
+
+def call(script, **kwargs):
+    mod = load_script(script)
+    return (mod.attention_varlen if "varlen" in script else mod.attention)(**kwargs)
+
+
+NOT_A_SCALE = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    0,
+    0.0,
+    -1,
+    -0.5,
+    "abc",
+    "0.5",
+    [0.5],
+    torch.tensor(0.5),
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_softmax_scale_must_be_a_finite_positive_number(script):
+    """Refused before any tensor is looked at (the tensors here are not even tensors), so the
+    message names softmax_scale on any machine; a good scale gets as far as the device check."""
+    blank = {name: None for name in arguments(script)}
+    for scale in NOT_A_SCALE:
+        with pytest.raises(ValueError, match="softmax_scale"):
+            call(script, **blank, softmax_scale=scale)
+            pytest.fail(f"accepted softmax_scale={scale!r}")
+    for scale in (None, 0.125, 2, np.float32(0.5)):
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            call(script, **arguments(script), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_causal_must_be_a_bool(script):
+    blank = {name: None for name in arguments(script)}
+    for causal in ("False", "True", 0, 1, None):
+        with pytest.raises(ValueError, match="causal"):
+            call(script, **blank, causal=causal)
+            pytest.fail(f"accepted causal={causal!r}")
+    for causal in (False, True):
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            call(script, **arguments(script), causal=causal)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 192, 256])
+def test_attention_takes_the_head_dims_the_command_line_offers(script, dim):
+    expect = "CUDA tensor" if dim in SCRIPTS[script][1] else "head dim"
+    with pytest.raises(ValueError, match=expect):
+        call(script, **arguments(script, D=dim))
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "gqa" in s])
+def test_no_kv_heads_is_a_value_error(script):
+    with pytest.raises(ValueError, match=r"H % Hkv"):
+        call(script, **arguments(script, Hkv=0))
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "varlen" in s])
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_cu_seqlens_must_be_contiguous(script, name):
+    """A strided view would be read as if dense by the kernel's host code."""
+    kwargs = arguments(script)
+    kwargs[name] = torch.stack([kwargs[name], kwargs[name]], dim=1)[:, 0]  # same values, stride 2
+    with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+        call(script, **kwargs)
+    kwargs[name] = kwargs[name].contiguous()
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        call(script, **kwargs)

@@ -153,7 +153,7 @@ def _bad_calls(script):
         ("cu_seqlens_q int64", with_(cu_seqlens_q=cu_q.long()), "cu_seqlens_q must be int32"),
         ("cu_seqlens_k a list", with_(cu_seqlens_k=cu_k.tolist()), "cu_seqlens_k must be a torch"),
         ("cu_seqlens_q 2-D", with_(cu_seqlens_q=cu_q[None]), "cu_seqlens_q must be 1-D"),
-        ("cu_seqlens_k length 1", with_(cu_seqlens_k=cu_k[:1]), "cu_seqlens_k must be 1-D"),
+        ("cu_seqlens_k empty", with_(cu_seqlens_k=cu_k[:0]), "cu_seqlens_k must be 1-D"),
         ("cu_seqlens_q on meta", with_(cu_seqlens_q=cu_q.to("meta")), "cu_seqlens_q must be on"),
         ("cu_seqlens_q from 1", with_(cu_seqlens_q=i32([1, 3, 3, 8])), "must start at 0"),
         ("cu_seqlens_k decreasing", with_(cu_seqlens_k=i32([0, 4, 3, 6])), "non-decreasing"),

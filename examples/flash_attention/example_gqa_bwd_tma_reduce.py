@@ -28,6 +28,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -417,7 +418,13 @@ def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -425,9 +432,11 @@ def _check_inputs(q, k, v):
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Sq, H, Dqk = q.shape
+    B, _, H, Dqk = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.shape[0] != B or k.shape[3] != Dqk:
         raise ValueError(
             f"k must be [{B}, seqlen_k, heads_kv, {Dqk}] to match q, got {tuple(k.shape)}"
@@ -436,21 +445,21 @@ def _check_inputs(q, k, v):
         raise ValueError(
             f"v must be {list(k.shape[:3])} + [dim_v] to match k, got {tuple(v.shape)}"
         )
-    Hkv = k.shape[2]
+    Hkv, Dv = k.shape[2], v.shape[3]
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
-    if (Dqk, v.shape[3]) not in HEAD_DIMS:
+    if (Dqk, Dv) not in HEAD_DIMS:
         raise ValueError(
-            f"head dims (q.shape[-1], v.shape[-1]) must be one of {HEAD_DIMS}, "
-            f"got {(Dqk, v.shape[3])}"
+            f"head dims (q.shape[-1], v.shape[-1]) must be one of {HEAD_DIMS}, got {(Dqk, Dv)}"
         )
-    if Sq == 0 or k.shape[1] == 0:
-        raise ValueError(f"q and k need at least one token, got seqlens {Sq} and {k.shape[1]}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(
+            f"q and k need at least one token, got seqlens {q.shape[1]} and {k.shape[1]}"
+        )
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
@@ -510,7 +519,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
 
     ``config`` overrides the backward tiles (see ``default_config``).
     """
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     return FlashAttnGQAFunc.apply(q, k, v, bool(causal), float(softmax_scale), config)

@@ -28,6 +28,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -381,35 +382,37 @@ def build_kernels(args, target=None):
 
 
 # ----------------------------------------------------------------------------- torch-facing
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     B, _, H, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
     if k.shape[2] != H:
         raise ValueError(
-            f"k has {k.shape[2]} heads but q has {H}: this is the MHA script "
-            "(use gqa_bwd_bshd.py for grouped-query attention)"
+            f"k has {k.shape[2]} heads but q has {H}: MHA script (GQA: gqa_bwd_bshd.py)"
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 _kernels = {}
@@ -453,7 +456,7 @@ class _FlashAttention(torch.autograd.Function):
 def attention(q, k, v, causal=False, softmax_scale=None):
     """Differentiable FlashAttention on Blackwell: ``q [B, Sq, H, D]``, ``k, v [B, Sk, H, D]``
     (fp16/bf16, CUDA) → ``out [B, Sq, H, D]``; ``out.backward`` runs the TCGEN05 backward."""
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     return _FlashAttention.apply(q, k, v, bool(causal), float(softmax_scale))
