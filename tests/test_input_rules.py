@@ -184,3 +184,53 @@ def test_cu_seqlens_must_be_contiguous(script, name):
     kwargs[name] = kwargs[name].contiguous()
     with pytest.raises(ValueError, match="CUDA tensor"):
         call(script, **kwargs)
+
+
+EMPTY = {
+    "B=0": dict(B=0),
+    "Sq=0": dict(Sq=0),
+    "Sk=0": dict(Sk=0),
+    "B=Sq=Sk=0": dict(B=0, Sq=0, Sk=0),
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("empty", EMPTY)
+def test_empty_inputs_are_valid_input(script, empty):
+    """One rule for every script: an empty batch or sequence is accepted (the device check, the
+    last, is all that is left on a CPU); what it returns is tested on a GPU below."""
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        call(script, **arguments(script, **EMPTY[empty]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("empty", EMPTY)
+def test_empty_inputs_return_empty_or_zero_outputs_without_a_kernel(script, empty, monkeypatch):
+    """B = 0 or Sq = 0: correctly shaped empty outputs; Sk = 0 with queries: every row sees no
+    key, so out 0 and lse +inf; gradients (backward scripts) 0 in the inputs' shapes. No kernel
+    is built or launched, so this runs on any GPU (the SM100 scripts' too)."""
+    from tilelang.jit import JITImpl
+
+    mod = load_script(script)
+    for name, value in vars(mod).items():  # building any kernel fails the test
+        if isinstance(value, JITImpl) or name in ("build_forward", "build_kernels"):
+            monkeypatch.setattr(mod, name, lambda *a, _n=name, **kw: pytest.fail(f"{_n} called"))
+    kwargs = arguments(script, device="cuda", **EMPTY[empty])
+    q, k, v = (kwargs[n] for n in "qkv")
+    if "bwd" in script:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = call(script, **kwargs)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        for t, g in zip((q, k, v), grads, strict=True):
+            assert g.shape == t.shape and g.dtype == t.dtype and torch.all(g == 0)
+    else:
+        out, lse = call(script, **kwargs, return_lse=True)
+        if "varlen" in script:
+            rows = (q.shape[1], q.shape[0])  # [H, total_q]
+        else:
+            rows = q.shape[:3] if "bhsd" in script else (q.shape[0], q.shape[2], q.shape[1])
+        assert lse.shape == rows and lse.dtype == torch.float32
+        assert torch.all(torch.isposinf(lse))
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
+    assert torch.all(out == 0)

@@ -20,7 +20,8 @@ tiles): 358-375 TFLOP/s, SDPA FLASH (FA2) 299, cuDNN 472 — the atomic dQ of ex
 measured 393 in the same session; the GPU tests (33 cases with the other script) passed.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
-``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0.
+``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0; an empty batch or
+sequence launches nothing.
 
 Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce.py --groups 4 --causal
@@ -452,10 +453,6 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         raise ValueError(
             f"head dims (q.shape[-1], v.shape[-1]) must be one of {HEAD_DIMS}, got {(Dqk, Dv)}"
         )
-    if q.shape[1] == 0 or k.shape[1] == 0:
-        raise ValueError(
-            f"q and k need at least one token, got seqlens {q.shape[1]} and {k.shape[1]}"
-        )
     if not (q.is_cuda and q.device == k.device == v.device):
         raise ValueError(
             f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
@@ -466,6 +463,8 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
     cfg = config or default_config(Dqk, Dv, causal, device_arch(q.device))
 
@@ -495,13 +494,17 @@ class FlashAttnGQAFunc(torch.autograd.Function):
         B, Sq, H, Dqk = q.shape
         Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
         q, k, v = (t.contiguous() for t in (q, k, v))
-        fwd_cfg = forward_config(Dqk, Dv, device_arch(q.device))
-        kernel = flashattn_fwd(
-            B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
-        )
         out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        kernel(q, k, v, out, lse)
+        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+            out.zero_()
+            lse.fill_(math.inf)
+        elif out.numel() > 0:
+            fwd_cfg = forward_config(Dqk, Dv, device_arch(q.device))
+            kernel = flashattn_fwd(
+                B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
+            )
+            kernel(q, k, v, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = (causal, softmax_scale, config)
         return out

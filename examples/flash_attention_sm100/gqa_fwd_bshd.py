@@ -334,14 +334,17 @@ def attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-    args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
-    key = (variant, args, tuple(sorted((config or {}).items())))
-    if key not in _kernels:
-        _kernels[key] = build_forward(variant, args, config)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sq > 0:
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+        args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
+        key = (variant, args, tuple(sorted((config or {}).items())))
+        if key not in _kernels:
+            _kernels[key] = build_forward(variant, args, config)
         _kernels[key](q, k, v, out, lse)
     return (out, lse) if return_lse else out
 

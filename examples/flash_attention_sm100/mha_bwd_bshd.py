@@ -16,7 +16,8 @@ contribution from every key block, so each block adds its share into a float32 d
 adds. dK and dV belong to one block each and are stored directly.
 
 Causal masking is aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk - Sq``);
-rows that see no key give zero output and zero gradients.
+rows that see no key give zero output and zero gradients; an empty batch or sequence builds
+and launches nothing.
 
 No Blackwell GPU has run this script here: every kernel is compiled for sm_100a and its generated
 code inspected by tests/test_sm100.py. On a B200, ``main`` checks out, dQ, dK, dV against autograd
@@ -425,14 +426,16 @@ class _FlashAttention(torch.autograd.Function):
         Sk, Hkv = k.shape[1], k.shape[2]
         dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
         args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
-        if args not in _kernels:
-            _kernels[args] = build_kernels(args)
-        fwd = _kernels[args][0]
         q, k, v = (t.contiguous() for t in (q, k, v))
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        if Sq > 0:
-            fwd(q, k, v, out, lse)
+        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
+            out.zero_()
+            lse.fill_(math.inf)
+        elif out.numel() > 0:
+            if args not in _kernels:
+                _kernels[args] = build_kernels(args)
+            _kernels[args][0](q, k, v, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         return out
@@ -440,7 +443,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        bwd = _kernels[ctx.args][1]
+        if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
         dout = dout.contiguous()
         # delta_i = Σ_d dO·O: the row term of softmax's backward, [B, H, Sq] in float32.
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
@@ -448,8 +452,7 @@ class _FlashAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)  # every row is stored
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if q.shape[1] > 0 and k.shape[1] > 0:
-            bwd(q, k, v, dout, lse, delta, dq, dk, dv)
+        _kernels[ctx.args][1](q, k, v, dout, lse, delta, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
