@@ -147,7 +147,7 @@ def bwd_source(script, strategy, Dqk, Dv, causal, seq=1000, cfg=None):
     import harness
 
     mod = load_script(script)
-    cfg = dict(cfg) if cfg else mod.default_config(Dqk, Dv, causal, "sm_90a")
+    cfg = dict(cfg) if cfg else mod.default_config(Dqk, Dv, "sm_90a")
     args = (2, 8, 2, seq, seq, Dqk, Dv, causal, 1 / math.sqrt(Dqk), "bfloat16")
     if strategy is not None:
         args = (*args, strategy)
@@ -221,7 +221,7 @@ def test_tune_space_builds_for_sm90():
     mod = load_script(GQA_BWD)
     for Dqk, Dv in ((128, 128), (192, 128)):
         for cfg in mod.tune_configs(Dqk, Dv):
-            if cfg == mod.default_config(Dqk, Dv, True, "sm_90a"):
+            if cfg == mod.default_config(Dqk, Dv, "sm_90a"):
                 continue  # built by the tests above
             src = bwd_source(GQA_BWD, "atomic", Dqk, Dv, True, 255, tuple(sorted(cfg.items())))
             assert "wgmma" in src, cfg

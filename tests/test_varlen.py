@@ -281,7 +281,7 @@ def sources(script, dim, causal, dtype):
     if script == GQA_BWD:
         return mod.compile_all(16, 4, dim, causal, dtype, "sm_90a")
     heads = (16,) if script == MHA_FWD else (16, 2)
-    cfg = mod.default_config(dim, causal, "sm_90a")
+    cfg = mod.default_config(dim, "sm_90a")
     kernel = harness.compile_for(
         mod.flashattn_fwd_varlen, "sm_90a", *heads, dim, causal, scale, dtype, **cfg
     )
@@ -558,7 +558,7 @@ def test_backward_fits_hopper_shared_memory(dim):
     import harness
 
     mod = load_script(GQA_BWD)
-    cfg = mod.default_config(dim, True, "sm_90a")
+    cfg = mod.default_config("sm_90a")
     args = (8, 2, dim, True, dim**-0.5, "float16")
     kernel = harness.compile_for(mod.flashattn_bwd_varlen, "sm_90a", *args, **cfg)
     assert harness.dynamic_smem_bytes(kernel) <= 232448

@@ -425,7 +425,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, splits, dtype="fl
 
 
 # ----------------------------------------------------------------------------- configurations
-def forward_config(dim_qk, dim_v, arch="sm_90a"):
+def forward_config(dim_qk, arch="sm_90a"):
     """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_bshd.py)."""
     if not arch.startswith("sm_90"):
         return dict(block_M=64, block_N=64, num_stages=1, threads=128)
@@ -436,7 +436,7 @@ def forward_config(dim_qk, dim_v, arch="sm_90a"):
     return dict(block_M=128, block_N=64, num_stages=1, threads=256)
 
 
-def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
+def default_config(dim_qk, dim_v, arch="sm_90a"):
     """Backward tiles: block_M keys per thread block, block_N queries per step.
 
     Hopper: 256 threads are two consumer warpgroups (TileLang adds a producer warpgroup for the
@@ -445,9 +445,8 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
     D128 fp16, atomic strategy, backward alone): 128×64 tiles at 2 stages 393 TFLOP/s, 128×32
     311-330, 64×32 / 128 threads 240, 64×64 / 128 threads 180 (FA2: 299). With Dqk=192 the
     accumulators leave no registers for 64 queries a step: 128×32 (not measured against others).
-    ``causal`` does not change the choice (kept in the signature for when it does).
+    The same tiles with or without ``causal``.
     """
-    del causal
     if not arch.startswith("sm_90"):
         return dict(block_M=64, block_N=32, num_stages=1, threads=128)
     if dim_qk + dim_v <= 256:
@@ -527,7 +526,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, strategy, config):
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
-    cfg = config or default_config(Dqk, Dv, causal, device_arch(q.device))
+    cfg = config or default_config(Dqk, Dv, device_arch(q.device))
     splits = H // Hkv if strategy == "split" else 1
 
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -566,7 +565,7 @@ class FlashAttnGQAFunc(torch.autograd.Function):
             out.zero_()
             lse.fill_(math.inf)
         elif out.numel() > 0:
-            fwd_cfg = forward_config(Dqk, Dv, device_arch(q.device))
+            fwd_cfg = forward_config(Dqk, device_arch(q.device))
             kernel = flashattn_fwd(
                 B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
             )
@@ -596,10 +595,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", conf
 
 
 # ----------------------------------------------------------------------------- reference
-def ref_program(q, k, v, causal=False, softmax_scale=None, strategy="atomic", config=None):
+def ref_program(q, k, v, causal=False, softmax_scale=None):
     """Plain differentiable PyTorch in float32 (float64 stays float64; runs on CPU), same
-    conventions as ``attention``; ``strategy`` and ``config`` are accepted and ignored."""
-    del strategy, config
+    conventions as ``attention``."""
     acc = torch.promote_types(q.dtype, torch.float32)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[2] // k.shape[2]
@@ -710,12 +708,12 @@ def compile_all(
     name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim_qk)
-    cfg = config or default_config(dim_qk, dim_v, causal, arch)
+    cfg = config or default_config(dim_qk, dim_v, arch)
     splits = heads // heads_kv if strategy == "split" else 1
     attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, scale, dtype)
     kv = (batch, heads_kv, seq_k)
     kernels = {
-        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, dim_v, arch)),
+        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, arch)),
         "flashattn_bwd_preprocess": (
             flashattn_bwd_preprocess,
             (batch, heads, seq_q, dim_v, dtype),
@@ -761,7 +759,7 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(*shape, args.dtype, args.strategy, args.arch)
-        cfg = default_config(Dqk, Dv, args.causal, args.arch)
+        cfg = default_config(Dqk, Dv, args.arch)
         print(f"{script}: built for {args.arch}, strategy {args.strategy}, backward tiles {cfg}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))

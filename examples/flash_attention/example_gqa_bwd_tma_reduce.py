@@ -366,7 +366,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, dtype="float16", 
 
 
 # ----------------------------------------------------------------------------- configurations
-def forward_config(dim_qk, dim_v, arch="sm_90a"):
+def forward_config(dim_qk, arch="sm_90a"):
     """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_bshd.py)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
@@ -377,7 +377,7 @@ def forward_config(dim_qk, dim_v, arch="sm_90a"):
     return dict(block_M=128, block_N=64, num_stages=1, threads=256)
 
 
-def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
+def default_config(dim_qk, dim_v, arch="sm_90a"):
     """Backward tiles: block_M keys per thread block, block_N queries per step.
 
     Hopper: 256 threads are two consumer warpgroups (TileLang adds a producer warpgroup for the
@@ -385,10 +385,8 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
     accumulators is what bounds the tile. Measured on an H100 (2026-11-22, B4 H32 Hkv8 S4096
     D128 fp16, backward alone): 128×64 tiles 358-375 TFLOP/s, 128×32 283-285, 64×32 / 128
     threads 188, 64×64 / 128 threads 162 (FA2: 299). With Dqk=192 the accumulators leave no
-    registers for 64 queries a step: 128×32. ``causal`` does not change the choice (kept in the
-    signature for when it does).
+    registers for 64 queries a step: 128×32. The same tiles with or without ``causal``.
     """
-    del causal
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
     if dim_qk + dim_v <= 256:
@@ -466,7 +464,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
-    cfg = config or default_config(Dqk, Dv, causal, device_arch(q.device))
+    cfg = config or default_config(Dqk, Dv, device_arch(q.device))
 
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     flashattn_bwd_preprocess(B, H, Sq, Dv, dtype)(out, dout, delta)
@@ -500,7 +498,7 @@ class FlashAttnGQAFunc(torch.autograd.Function):
             out.zero_()
             lse.fill_(math.inf)
         elif out.numel() > 0:
-            fwd_cfg = forward_config(Dqk, Dv, device_arch(q.device))
+            fwd_cfg = forward_config(Dqk, device_arch(q.device))
             kernel = flashattn_fwd(
                 B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
             )
@@ -637,11 +635,11 @@ def compile_all(
     name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim_qk)
-    cfg = config or default_config(dim_qk, dim_v, causal, arch)
+    cfg = config or default_config(dim_qk, dim_v, arch)
     attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, scale, dtype)
     kv = (batch, heads_kv, seq_k)
     kernels = {
-        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, dim_v, arch)),
+        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, arch)),
         "flashattn_bwd_preprocess": (
             flashattn_bwd_preprocess,
             (batch, heads, seq_q, dim_v, dtype),
@@ -687,7 +685,7 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(*shape, args.dtype, args.arch)
-        cfg = default_config(Dqk, Dv, args.causal, args.arch)
+        cfg = default_config(Dqk, Dv, args.arch)
         print(f"{script}: built for {args.arch}, backward tiles {cfg}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))

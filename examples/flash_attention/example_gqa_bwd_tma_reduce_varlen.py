@@ -482,20 +482,18 @@ def forward_config(dim, arch="sm_90a"):
     return dict(block_M=128, block_N=128, num_stages=1, threads=256)
 
 
-def default_config(dim, causal, arch="sm_90a"):
+def default_config(arch="sm_90a"):
     """Backward tiles: block_M keys per thread block, block_N queries per step — the dense
     TMA-reduce backward's (example_gqa_bwd_tma_reduce.py, measured on an H100: 128×64 with two
-    consumer warpgroups, each holding 64 keys' dk and dv in registers). ``causal`` does not
-    change the choice (kept in the signature for when it does)."""
-    del causal, dim
+    consumer warpgroups, each holding 64 keys' dk and dv in registers), for both head dims,
+    causal or not."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
     return dict(block_M=128, block_N=64, num_stages=2, threads=256)
 
 
-def tune_configs(dim):
+def tune_configs():
     """The space ``--tune`` compares side by side."""
-    del dim
     return [
         dict(block_M=128, block_N=64, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
@@ -640,7 +638,7 @@ def _backward(
     if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
-    cfg = config or default_config(D, causal, device_arch(q.device))
+    cfg = config or default_config(device_arch(q.device))
 
     # Zeros first: the backward multiplies by delta, masked columns included, so the gap columns
     # the preprocess never writes must hold no stale NaN.
@@ -939,7 +937,7 @@ def compile_all(heads, heads_kv, dim, causal, dtype, arch, config=None):
     name → CUDA source. (total_q, total_k and the batch are dynamic: no shape needed.)"""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, causal, arch)
+    cfg = config or default_config(arch)
     attn = (heads, heads_kv, dim, causal, scale, dtype)
     kernels = {
         "flashattn_fwd_varlen": (flashattn_fwd_varlen, attn, forward_config(dim, arch)),
@@ -969,7 +967,7 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(H, Hkv, D, args.causal, args.dtype, args.arch)
-        cfg = default_config(D, args.causal, args.arch)
+        cfg = default_config(args.arch)
         print(f"{script}: built for {args.arch}, backward tiles {cfg} (total/batch dynamic)")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
@@ -986,7 +984,7 @@ def main(argv=None):
     )
     configs = {"tilelang varlen[tma-reduce]": None}
     if args.tune:  # every tune_configs entry side by side in one report
-        configs.update({_config_name(c): c for c in tune_configs(D)})
+        configs.update({_config_name(c): c for c in tune_configs()})
     if args.check:
         check(*tensors, mask_q, mask_k, args.causal, scale)
     if args.bench:

@@ -367,32 +367,30 @@ def forward_config(dim, arch="sm_90a"):
     return dict(block_M=128, block_N=128, num_stages=1, threads=256)
 
 
-def default_config(dim, causal, arch="sm_90a", seq_q=None):
+def default_config(arch="sm_90a", seq_q=None):
     """Backward tiles: block_M keys per thread block, block_N queries per loop step.
 
     Hopper: 256 threads are two consumer warpgroups of 64 keys each (TileLang adds a producer
     warpgroup for the TMA loads), and two stages let the next Q/dO tile load while this one is
     used. Measured on an H100 (2026-11-22, B4 S4096 fp16, all of ``tune_configs``): 128 keys ×
     64 queries was fastest at D=64 and D=128, causal or not — 389 TFLOP/s at D128 against 306
-    for 128×32 (upstream's choice) and 274 for 64×64 — so ``causal`` does not change the choice
-    today (kept in the signature on purpose).
+    for 128×32 (upstream's choice) and 274 for 64×64 — so neither the head dim nor ``causal``
+    changes the choice.
     With fewer than 64 queries (``seq_q``) the 64-query step does not build at D=128 (ptxas runs
     out of registers: TileLang lays that kernel out differently when the tile is taller than
     the tensor), so such short inputs step 32 queries at a time.
     """
-    del causal
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA, WGMMA)")
     block_N = 32 if seq_q is not None and seq_q < 64 else 64
     return dict(block_M=128, block_N=block_N, num_stages=2, threads=256)
 
 
-def tune_configs(dim):
+def tune_configs():
     """The space ``--tune`` compares: 64 keys per consumer warpgroup (one or two warpgroups),
     32 or 64 queries a step, one or two stages. All of them build for sm_90a at D=64 and D=128;
     which of them spill registers at D=128 (dK and dV take 128 per thread) is for the GPU run
     to show. With 32 queries a step the dQ GEMM is too short for WGMMA and uses mma.sync."""
-    del dim  # the same space for both head dims today
     return [
         dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
         for bm, th in ((64, 128), (128, 256))
@@ -469,7 +467,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = _dtype_name(q)
-    cfg = config or default_config(D, causal, device_arch(q.device), Sq)
+    cfg = config or default_config(device_arch(q.device), Sq)
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     flashattn_bwd_preprocess(B, H, Sq, D, dtype)(out, dout, delta)
@@ -615,7 +613,7 @@ def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=Non
     """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, causal, arch, seq_q)
+    cfg = config or default_config(arch, seq_q)
     fwd_cfg = forward_config(dim, arch)
     kernels = {
         "flashattn_fwd": (flashattn_fwd, (seq_k, dim, causal, scale, dtype), fwd_cfg),
@@ -642,9 +640,7 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(B, H, Sq, Sk, D, args.causal, args.dtype, args.arch)
-        print(
-            f"{script}: built for {args.arch} with {default_config(D, args.causal, args.arch, Sq)}"
-        )
+        print(f"{script}: built for {args.arch} with {default_config(args.arch, Sq)}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
@@ -654,7 +650,7 @@ def main(argv=None):
     config = None
     if args.tune:
         # Every candidate side by side in one run; the fastest backward is then checked.
-        named = {"tilelang " + _config_name(c): c for c in tune_configs(D)}
+        named = {"tilelang " + _config_name(c): c for c in tune_configs()}
         rows = benchmark(B, H, Sq, Sk, D, args.causal, dtype, named)
         best = min((r for r in rows["bwd"] if r["ours"]), key=lambda r: r["ms"])["impl"]
         config = named[best]

@@ -213,10 +213,10 @@ def flashattn_ts(*args, **kwargs):
     return flashattn_fwd(*args, variant="ts", **kwargs)
 
 
-def default_config(variant, dim):
-    """Tiles for a variant and head dim: 128 query rows (one per TMEM lane), 128 keys.
-    Checked against SM100's limits by ``smem_bytes``/``tmem_columns`` below."""
-    del variant, dim  # 128×128 tiles fit shared memory and TMEM for every supported head dim
+def default_config():
+    """Tiles for both variants: 128 query rows (one per TMEM lane), 128 keys, which fit shared
+    memory and TMEM at every supported head dim. Checked against SM100's limits by
+    ``smem_bytes``/``tmem_columns`` below."""
     return dict(block_M=128, block_N=128)
 
 
@@ -273,7 +273,7 @@ def build_forward(variant, args, config=None, target=None):
     ``args`` = (batch, heads, heads_kv, seq_q, seq_kv, dim, causal, softmax_scale, dtype).
     """
     dim = args[5]
-    cfg = config or default_config(variant, dim)
+    cfg = config or default_config()
     check_config(variant, dim, cfg)
     if target is None:
         return (flashattn_ss if variant == "ss" else flashattn_ts)(*args, **cfg)

@@ -397,11 +397,10 @@ def flashattn_ts(*args, **kwargs):
     return flashattn_fwd(*args, variant="ts", **kwargs)
 
 
-def default_config(variant, dim):
-    """Tiles for a variant and head dim: 128 query rows (one per TMEM lane), 128 keys; the
-    warp-specialized kernel keeps two K/V stages in flight. Checked against SM100's limits by
-    ``smem_bytes``/``tmem_columns`` below."""
-    del dim  # 128×128 tiles fit shared memory and TMEM for every supported head dim
+def default_config(variant):
+    """Tiles for a variant: 128 query rows (one per TMEM lane), 128 keys, which fit shared memory
+    and TMEM at every supported head dim; the warp-specialized kernel keeps two K/V stages in
+    flight. Checked against SM100's limits by ``smem_bytes``/``tmem_columns`` below."""
     if variant == "wasp":
         return dict(block_M=128, block_N=128, num_stages=2)
     return dict(block_M=128, block_N=128)
@@ -468,7 +467,7 @@ def build_forward(variant, args, config=None, target=None):
     """
     dim = args[4]
     if variant == "wasp":
-        cfg = config or default_config("wasp", dim)
+        cfg = config or default_config("wasp")
         check_config("wasp", dim, cfg)
         try:
             return _compile(flashattn_fwd_wasp, args, cfg, target), "wasp"
@@ -480,7 +479,7 @@ def build_forward(variant, args, config=None, target=None):
                 file=sys.stderr,
             )
             variant, config = "ts", None
-    cfg = config or default_config(variant, dim)
+    cfg = config or default_config(variant)
     check_config(variant, dim, cfg)
     pinned = flashattn_ss if variant == "ss" else flashattn_ts
     if target is None:
