@@ -118,19 +118,7 @@ def call(script, **kwargs):
     return (mod.attention_varlen if "varlen" in script else mod.attention)(**kwargs)
 
 
-NOT_A_SCALE = [
-    math.nan,
-    math.inf,
-    -math.inf,
-    0,
-    0.0,
-    -1,
-    -0.5,
-    "abc",
-    "0.5",
-    [0.5],
-    torch.tensor(0.5),
-]
+NOT_A_SCALE = [math.nan, math.inf, -math.inf, 0, -1, -0.5, "abc", "0.5", [0.5], torch.tensor(0.5)]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
