@@ -71,9 +71,7 @@ def build_forward(mha, B, H, S, D, causal, dtype):
 def build_backward(fast, plain, B, H, S, D, causal, dtype):
     arch = plain.device_arch("cuda")
     plain.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.forward_config(D, arch))
-    plain.flashattn_bwd(
-        B, H, S, S, D, causal, D**-0.5, dtype, **plain.default_config(D, causal, arch)
-    )
+    plain.flashattn_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.default_config(arch))
     build_forward(fast.fwd, B, H, S, D, causal, dtype)
     cfg = fast.default_config(D, causal, arch)
     pad = fast.padded_len(S, cfg["block_N"])

@@ -16,20 +16,37 @@ import sys
 import torch
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-ARCHS = ("sm_80", "sm_89", "sm_90a", "sm_100a")
+ARCHS = ("sm_90a", "sm_100a")  # the collection's targets; each script offers the ones it builds
 
 
 # ----------------------------------------------------------------------------- command line
+def positive_int(text: str) -> int:
+    """argparse type for a size: an empty problem has no kernel to build or time."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def base_parser(
-    description: str, *, dim: int = 128, seq_len: int = 4096
+    description: str,
+    *,
+    archs: tuple[str, ...] = ARCHS,
+    dims: tuple[int, ...] | None = None,
+    dim: int = 128,
+    seq_len: int = 4096,
 ) -> argparse.ArgumentParser:
-    """The flags every attention script shares (docs/CONVENTIONS.md, "Command line")."""
+    """The flags every attention script shares (docs/CONVENTIONS.md, "Command line").
+    ``archs``: the targets the script builds for (the first is the default); ``dims``: the head
+    dims it supports."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--seq_len", type=int, default=seq_len, help="query length")
-    p.add_argument("--seq_len_k", type=int, default=None, help="key length (default: --seq_len)")
-    p.add_argument("--dim", type=int, default=dim, help="head dimension")
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--seq_len", type=positive_int, default=seq_len, help="query length")
+    p.add_argument(
+        "--seq_len_k", type=positive_int, default=None, help="key length (default: --seq_len)"
+    )
+    p.add_argument("--dim", type=int, choices=dims, default=dim, help="head dimension")
     p.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the check")
@@ -39,7 +56,7 @@ def base_parser(
         action="store_true",
         help="build every kernel for --arch and print a summary; needs no GPU",
     )
-    p.add_argument("--arch", choices=ARCHS, default="sm_90a", help="target for --compile-only")
+    p.add_argument("--arch", choices=archs, default=archs[0], help="target for --compile-only")
     p.add_argument("--tune", action="store_true", help="autotune the tile configuration")
     return p
 

@@ -139,10 +139,16 @@ def test_autograd_function_is_plain(script):
     assert isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("dim", [64, 128])
-def test_default_config_is_in_tune_space(script, dim):
+@pytest.mark.parametrize("script", PLAIN)
+def test_default_config_is_in_tune_space(script):
     mod = load_script(script)
+    for seq_q in (None, 17, 4096):
+        assert mod.default_config("sm_90a", seq_q) in mod.tune_configs()
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_pipelined_default_config_is_in_tune_space(dim):
+    mod = load_script(PIPELINED)
     for causal in (False, True):
         assert mod.default_config(dim, causal, "sm_90a") in mod.tune_configs(dim)
 
@@ -177,8 +183,8 @@ def test_short_query_config_builds_for_sm90(script):
     """Fewer queries than a 64-query step (Sq=17, D=128) once failed in ptxas: the default
     config must step 32 queries there, and that kernel must build."""
     mod = load_script(script)
-    assert mod.default_config(128, False, "sm_90a", seq_q=17)["block_N"] == 32
-    assert mod.default_config(128, False, "sm_90a", seq_q=4096)["block_N"] == 64
+    assert mod.default_config("sm_90a", seq_q=17)["block_N"] == 32
+    assert mod.default_config("sm_90a", seq_q=4096)["block_N"] == 64
     src = mod.compile_all(1, 4, 17, 17, 128, False, "bfloat16", "sm_90a")
     assert "wgmma" in src["flashattn_bwd"]
 
@@ -189,7 +195,7 @@ def test_tune_space_builds_for_sm90(script):
     import harness
 
     mod = load_script(script)
-    for cfg in mod.tune_configs(128):
+    for cfg in mod.tune_configs():
         args = (1, 4, 1000, 1000, 128, True, 1 / math.sqrt(128), "float16")
         src = harness.compile_for(mod.flashattn_bwd, "sm_90a", *args, **cfg).get_kernel_source()
         assert "wgmma" in src and "AtomicAdd" in src, cfg

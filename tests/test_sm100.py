@@ -105,7 +105,7 @@ def test_kernel_uses_tcgen05_tmem_and_fits_shared_memory(built, name):
 def test_shared_memory_budget_bounds_the_kernel(built, name, script, variant):
     """The budget function is an upper bound on what the compiled kernel asks for."""
     mod = load_script(script)
-    cfg = mod.default_config(variant, D)
+    cfg = mod.default_config(variant)
     assert built(name)["smem"] <= mod.smem_bytes(variant, D, **cfg) <= SMEM_LIMIT
 
 

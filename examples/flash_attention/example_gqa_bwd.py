@@ -29,7 +29,8 @@ its laid-out address (the ``atomic`` strategy's dK/dV, in a plain layout, are ve
 Measured speeds are in the README.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
-``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0.
+``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0; an empty batch or
+sequence launches nothing.
 
 API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 
@@ -52,6 +53,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -63,6 +65,7 @@ import torch
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128))  # (Dqk, Dv) pairs this script builds
+ARCHS = ("sm_90a", "sm_80", "sm_89", "sm_100a")  # --arch; off Hopper, the generic tiles build
 STRATEGIES = ("atomic", "split")
 
 
@@ -432,7 +435,7 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, splits, dtype="fl
 
 
 # ----------------------------------------------------------------------------- configurations
-def forward_config(dim_qk, dim_v, arch="sm_90a"):
+def forward_config(dim_qk, arch="sm_90a"):
     """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_bshd.py)."""
     if not arch.startswith("sm_90"):
         return dict(block_M=64, block_N=64, num_stages=1, threads=128)
@@ -443,7 +446,7 @@ def forward_config(dim_qk, dim_v, arch="sm_90a"):
     return dict(block_M=128, block_N=64, num_stages=1, threads=256)
 
 
-def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
+def default_config(dim_qk, dim_v, arch="sm_90a"):
     """Backward tiles: block_M keys per thread block, block_N queries per step.
 
     Hopper: 256 threads are two consumer warpgroups (TileLang adds a producer warpgroup for the
@@ -452,9 +455,8 @@ def default_config(dim_qk, dim_v, causal, arch="sm_90a"):
     D128 fp16, atomic strategy, backward alone): 128×64 tiles at 2 stages 393 TFLOP/s, 128×32
     311-330, 64×32 / 128 threads 240, 64×64 / 128 threads 180 (FA2: 299). With Dqk=192 the
     accumulators leave no registers for 64 queries a step: 128×32 (not measured against others).
-    ``causal`` does not change the choice (kept in the signature for when it does).
+    The same tiles with or without ``causal``.
     """
-    del causal
     if not arch.startswith("sm_90"):
         return dict(block_M=64, block_N=32, num_stages=1, threads=128)
     if dim_qk + dim_v <= 256:
@@ -485,21 +487,27 @@ def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
-def _check_inputs(q, k, v, strategy):
+def _check_inputs(q, k, v, causal, softmax_scale, strategy):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Sq, H, Dqk = q.shape
+    B, _, H, Dqk = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.shape[0] != B or k.shape[3] != Dqk:
         raise ValueError(
             f"k must be [{B}, seqlen_k, heads_kv, {Dqk}] to match q, got {tuple(k.shape)}"
@@ -508,29 +516,27 @@ def _check_inputs(q, k, v, strategy):
         raise ValueError(
             f"v must be {list(k.shape[:3])} + [dim_v] to match k, got {tuple(v.shape)}"
         )
-    Hkv = k.shape[2]
+    Hkv, Dv = k.shape[2], v.shape[3]
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
-    if (Dqk, v.shape[3]) not in HEAD_DIMS:
+    if (Dqk, Dv) not in HEAD_DIMS:
         raise ValueError(
-            f"head dims (q.shape[-1], v.shape[-1]) must be one of {HEAD_DIMS}, "
-            f"got {(Dqk, v.shape[3])}"
+            f"head dims (q.shape[-1], v.shape[-1]) must be one of {HEAD_DIMS}, got {(Dqk, Dv)}"
         )
-    if Sq == 0 or k.shape[1] == 0:
-        raise ValueError(f"q and k need at least one token, got seqlens {Sq} and {k.shape[1]}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 def _backward(q, k, v, out, lse, dout, causal, softmax_scale, strategy, config):
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
-    cfg = config or default_config(Dqk, Dv, causal, device_arch(q.device))
+    cfg = config or default_config(Dqk, Dv, device_arch(q.device))
     splits = H // Hkv if strategy == "split" else 1
 
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -563,13 +569,17 @@ class FlashAttnGQAFunc(torch.autograd.Function):
         B, Sq, H, Dqk = q.shape
         Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
         q, k, v = (t.contiguous() for t in (q, k, v))
-        fwd_cfg = forward_config(Dqk, Dv, device_arch(q.device))
-        kernel = flashattn_fwd(
-            B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
-        )
         out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        kernel(q, k, v, out, lse)
+        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+            out.zero_()
+            lse.fill_(math.inf)
+        elif out.numel() > 0:
+            fwd_cfg = forward_config(Dqk, device_arch(q.device))
+            kernel = flashattn_fwd(
+                B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
+            )
+            kernel(q, k, v, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = (causal, softmax_scale, strategy, config)
         return out
@@ -588,17 +598,16 @@ def attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", conf
     ``strategy`` ("atomic" or "split") picks how the backward combines a group's dK/dV;
     ``config`` overrides the backward tiles (see ``default_config``).
     """
-    _check_inputs(q, k, v, strategy)
+    _check_inputs(q, k, v, causal, softmax_scale, strategy)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     return FlashAttnGQAFunc.apply(q, k, v, bool(causal), float(softmax_scale), strategy, config)
 
 
 # ----------------------------------------------------------------------------- reference
-def ref_program(q, k, v, causal=False, softmax_scale=None, strategy="atomic", config=None):
+def ref_program(q, k, v, causal=False, softmax_scale=None):
     """Plain differentiable PyTorch in float32 (float64 stays float64; runs on CPU), same
-    conventions as ``attention``; ``strategy`` and ``config`` are accepted and ignored."""
-    del strategy, config
+    conventions as ``attention``."""
     acc = torch.promote_types(q.dtype, torch.float32)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[2] // k.shape[2]
@@ -637,9 +646,11 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0])
+    dims = tuple(sorted({dqk for dqk, _ in HEAD_DIMS}))
+    parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=dims)
     parser.add_argument("--groups", type=int, default=4, help="query heads per kv head")
-    parser.add_argument("--dim_v", type=int, default=None, help="V head dim (default: --dim)")
+    dims_v = tuple(sorted({dv for _, dv in HEAD_DIMS}))
+    parser.add_argument("--dim_v", type=int, choices=dims_v, help="V head dim (default: --dim)")
     parser.add_argument(
         "--strategy", choices=STRATEGIES, default="atomic", help="how a group's dK/dV combine"
     )
@@ -708,12 +719,12 @@ def compile_all(
     name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim_qk)
-    cfg = config or default_config(dim_qk, dim_v, causal, arch)
+    cfg = config or default_config(dim_qk, dim_v, arch)
     splits = heads // heads_kv if strategy == "split" else 1
     attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, scale, dtype)
     kv = (batch, heads_kv, seq_k)
     kernels = {
-        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, dim_v, arch)),
+        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, arch)),
         "flashattn_bwd_preprocess": (
             flashattn_bwd_preprocess,
             (batch, heads, seq_q, dim_v, dtype),
@@ -759,7 +770,7 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(*shape, args.dtype, args.strategy, args.arch)
-        cfg = default_config(Dqk, Dv, args.causal, args.arch)
+        cfg = default_config(Dqk, Dv, args.arch)
         print(f"{script}: built for {args.arch}, strategy {args.strategy}, backward tiles {cfg}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))

@@ -66,6 +66,7 @@ Run:
 """
 
 import math
+import numbers
 import operator
 import pathlib
 import sys
@@ -78,6 +79,7 @@ import torch
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = (64, 128)
+ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA loads and reduce-adds, WGMMA)
 
 
 def stats_start(q_start, b):
@@ -490,26 +492,24 @@ def flashattn_bwd_postprocess_kv(heads_kv, dim, dtype="float16", block=64):
 def forward_config(dim, arch="sm_90a"):
     """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_varlen.py)."""
     if not arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=64, num_stages=1, threads=128)
+        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
     if dim <= 64:
         return dict(block_M=128, block_N=128, num_stages=2, threads=256)
     return dict(block_M=128, block_N=128, num_stages=1, threads=256)
 
 
-def default_config(dim, causal, arch="sm_90a"):
+def default_config(arch="sm_90a"):
     """Backward tiles: block_M keys per thread block, block_N queries per step — the dense
     TMA-reduce backward's (example_gqa_bwd_tma_reduce.py, measured on an H100: 128×64 with two
-    consumer warpgroups, each holding 64 keys' dk and dv in registers). ``causal`` does not
-    change the choice (kept in the signature for when it does)."""
-    del causal, dim
+    consumer warpgroups, each holding 64 keys' dk and dv in registers), for both head dims,
+    causal or not."""
     if not arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
     return dict(block_M=128, block_N=64, num_stages=2, threads=256)
 
 
-def tune_configs(dim):
+def tune_configs():
     """The space ``--tune`` compares side by side."""
-    del dim
     return [
         dict(block_M=128, block_N=64, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
@@ -548,72 +548,33 @@ def _host_values(cu):
     return values
 
 
-def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device):
-    """int32, 1-D of one length B + 1, on q's device, 0 first, non-decreasing, last = token
-    count. Returns the per-sequence lengths of each. The values must be seen to be checked,
-    on every call; they are read from the device once per tensor (``_host_values``)."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 2:
-            raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got {tuple(cu.shape)}")
-        if cu.device != device:
-            raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
-        )
-    checks = (
-        ("cu_seqlens_q", _host_values(cu_seqlens_q), total_q),
-        ("cu_seqlens_k", _host_values(cu_seqlens_k), total_k),
-    )
-    lengths = []
-    for name, values, total in checks:
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        lengths.append([b - a for a, b in zip(values[:-1], values[1:], strict=True)])
-        if min(lengths[-1]) < 0:
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
-            raise ValueError(
-                f"{name} must end at the token count {total} (the first dim of the packed "
-                f"tensor), got {values[-1]}"
-            )
-    return lengths
-
-
-def _check_max_seqlen(name, value, lengths):
-    try:
-        size = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
-    if isinstance(value, bool) or size < max(lengths):
-        raise ValueError(
-            f"{name} ({value!r}) must be at least the longest sequence, {max(lengths)}"
-        )
-    return size
-
-
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_inputs(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU.
+    Each cu_seqlens: int32, contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by
+    both, on q's device, 0 first, non-decreasing, last = its token count. Its values must be seen
+    to be checked, on every call; they are read from the device once per tensor (``_host_values``).
+    """
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be [total_tokens, heads, dim], got {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     _, H, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[2] != D:
         raise ValueError(f"k must be [total_k, heads_kv, {D}] to match q, got {tuple(k.shape)}")
     Hkv = k.shape[1]
@@ -621,16 +582,51 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
-    lengths_q, lengths_k = _check_cu_seqlens(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device
+    sides = (
+        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
     )
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    for side, cu, total, max_seqlen in sides:
+        name = f"cu_seqlens_{side}"
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got {tuple(cu.shape)}")
+        if not cu.is_contiguous():  # TileLang's host code reads it as a dense array
+            raise ValueError(f"{name} must be contiguous, got stride {cu.stride()}")
+        if cu.device != q.device:
+            raise ValueError(
+                f"{name} must be on the same device as q ({q.device}), got {cu.device}"
+            )
+        if cu.shape != cu_seqlens_q.shape:
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                f"{cu_seqlens_q.shape[0]} and {cu.shape[0]}"
+            )
+        values = _host_values(cu)
+        lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        if min(lengths, default=0) < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if values[-1] != total:
+            raise ValueError(
+                f"{name} must end at the token count {total} (the first dim of the packed "
+                f"tensor), got {values[-1]}"
+            )
+        name, longest = f"max_seqlen_{side}", max(lengths, default=0)
+        if isinstance(max_seqlen, bool) or not hasattr(max_seqlen, "__index__"):
+            raise ValueError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+        if operator.index(max_seqlen) < longest:
+            raise ValueError(
+                f"{name} ({max_seqlen}) must be at least the longest sequence, {longest}"
+            )
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
@@ -658,7 +654,7 @@ def _backward(
     if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
-    cfg = config or default_config(D, causal, device_arch(q.device))
+    cfg = config or default_config(device_arch(q.device))
 
     # Zeros first: the backward multiplies by delta, masked columns included, so the gap columns
     # the preprocess never writes must hold no stale NaN.
@@ -738,7 +734,9 @@ def attention_varlen(
     The inputs are validated, which reads each ``cu_seqlens`` tensor back to the host once
     (see ``_host_values``).
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+    )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     return FlashAttnVarlenFunc.apply(
@@ -858,7 +856,9 @@ def _bert_padding():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0], seq_len=2048)
+    parser = _harness().base_parser(
+        __doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS, seq_len=2048
+    )
     parser.set_defaults(batch=8)
     parser.add_argument("--groups", type=int, default=4, help="query heads per kv head")
     parser.description += (
@@ -954,7 +954,7 @@ def compile_all(heads, heads_kv, dim, causal, dtype, arch, config=None):
     name → CUDA source. (total_q, total_k and the batch are dynamic: no shape needed.)"""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, causal, arch)
+    cfg = config or default_config(arch)
     attn = (heads, heads_kv, dim, causal, scale, dtype)
     kernels = {
         "flashattn_fwd_varlen": (flashattn_fwd_varlen, attn, forward_config(dim, arch)),
@@ -975,8 +975,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.groups < 1 or args.heads % args.groups != 0:
         parser.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
-    if args.dim not in HEAD_DIMS:
-        parser.error(f"--dim ({args.dim}) must be one of {HEAD_DIMS}")
     B, H, D = args.batch, args.heads, args.dim
     Hkv = H // args.groups
     Sq = args.seq_len
@@ -986,13 +984,13 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(H, Hkv, D, args.causal, args.dtype, args.arch)
-        cfg = default_config(D, args.causal, args.arch)
+        cfg = default_config(args.arch)
         print(f"{script}: built for {args.arch}, backward tiles {cfg} (total/batch dynamic)")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
 
-    harness.require_gpu(script)
+    harness.require_gpu(script, capability=(9, 0))
     dtype = harness.DTYPES[args.dtype]
     tensors, mask_q, mask_k = padded_batch(
         B, Sq, Sk, H, Hkv, D, dtype, distinct_k=args.seq_len_k is not None
@@ -1003,7 +1001,7 @@ def main(argv=None):
     )
     configs = {"tilelang varlen[tma-reduce]": None}
     if args.tune:  # every tune_configs entry side by side in one report
-        configs.update({_config_name(c): c for c in tune_configs(D)})
+        configs.update({_config_name(c): c for c in tune_configs()})
     if args.check:
         check(*tensors, mask_q, mask_k, args.causal, scale)
     if args.bench:

@@ -57,6 +57,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -67,6 +68,7 @@ import torch
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = (64, 128)
+ARCHS = ("sm_90a",)  # --arch: Hopper only (at D=128 the sm_80 tiles do not build)
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -370,39 +372,37 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
 # ----------------------------------------------------------------------------- configurations
 def forward_config(dim, arch="sm_90a"):
     """Forward tiles, measured on an H100 for this pipelined forward."""
-    if arch.startswith("sm_90"):
-        if dim <= 64:
-            return dict(block_M=192, block_N=128, num_stages=2, threads=384)
-        return dict(block_M=128, block_N=128, num_stages=1, threads=256)
-    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+    if not arch.startswith("sm_90"):
+        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA, WGMMA)")
+    if dim <= 64:
+        return dict(block_M=192, block_N=128, num_stages=2, threads=384)
+    return dict(block_M=128, block_N=128, num_stages=1, threads=256)
 
 
-def default_config(dim, causal, arch="sm_90a", seq_q=None):
+def default_config(arch="sm_90a", seq_q=None):
     """Backward tiles: block_M keys per thread block, block_N queries per loop step.
 
     Hopper: 256 threads are two consumer warpgroups of 64 keys each (TileLang adds a producer
     warpgroup for the TMA loads), and two stages let the next Q/dO tile load while this one is
     used. Measured on an H100 (2026-11-22, B4 S4096 fp16, all of ``tune_configs``): 128 keys ×
     64 queries was fastest at D=64 and D=128, causal or not — 389 TFLOP/s at D128 against 306
-    for 128×32 (upstream's choice) and 274 for 64×64 — so ``causal`` does not change the choice
-    today (kept in the signature on purpose). Other archs get a conservative mma.sync config.
+    for 128×32 (upstream's choice) and 274 for 64×64 — so neither the head dim nor ``causal``
+    changes the choice.
     With fewer than 64 queries (``seq_q``) the 64-query step does not build at D=128 (ptxas runs
     out of registers: TileLang lays that kernel out differently when the tile is taller than
     the tensor), so such short inputs step 32 queries at a time.
     """
-    del causal
     if not arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=32, num_stages=1, threads=128)
+        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA, WGMMA)")
     block_N = 32 if seq_q is not None and seq_q < 64 else 64
     return dict(block_M=128, block_N=block_N, num_stages=2, threads=256)
 
 
-def tune_configs(dim):
+def tune_configs():
     """The space ``--tune`` compares: 64 keys per consumer warpgroup (one or two warpgroups),
     32 or 64 queries a step, one or two stages. All of them build for sm_90a at D=64 and D=128;
     which of them spill registers at D=128 (dK and dV take 128 per thread) is for the GPU run
     to show. With 32 queries a step the dQ GEMM is too short for WGMMA and uses mma.sync."""
-    del dim  # the same space for both head dims today
     return [
         dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
         for bm, th in ((64, 128), (128, 256))
@@ -417,37 +417,39 @@ def device_arch(device) -> str:
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     B, _, H, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
     if k.shape[2] != H:
         raise ValueError(
-            f"k has {k.shape[2]} heads but q has {H}: this is the MHA script "
-            "(use example_gqa_bwd.py for grouped-query attention)"
+            f"k has {k.shape[2]} heads but q has {H}: MHA script (GQA: example_gqa_bwd.py)"
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 def _dtype_name(t):
@@ -477,7 +479,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = _dtype_name(q)
-    cfg = config or default_config(D, causal, device_arch(q.device), Sq)
+    cfg = config or default_config(device_arch(q.device), Sq)
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     flashattn_bwd_preprocess(B, H, Sq, D, dtype)(out, dout, delta)
@@ -513,7 +515,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     """Differentiable FlashAttention for ``q [B, Sq, H, D]``, ``k, v [B, Sk, H, D]`` (fp16/bf16,
     CUDA). Returns ``out [B, Sq, H, D]``. ``config`` overrides the backward tiles
     (see ``default_config``)."""
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -561,7 +563,7 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0])
+    parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS)
     parser.set_defaults(dim=128)
     return parser
 
@@ -621,7 +623,7 @@ def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=Non
     """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, causal, arch, seq_q)
+    cfg = config or default_config(arch, seq_q)
     fwd_cfg = forward_config(dim, arch)
     kernels = {
         "flashattn_fwd": (flashattn_fwd, (seq_k, dim, causal, scale, dtype), fwd_cfg),
@@ -645,24 +647,20 @@ def main(argv=None):
     B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
     Sk = args.seq_len_k or Sq
     script = pathlib.Path(__file__).name
-    if D not in HEAD_DIMS:
-        build_parser().error(f"--dim must be one of {HEAD_DIMS}")
 
     if args.compile_only:
         sources = compile_all(B, H, Sq, Sk, D, args.causal, args.dtype, args.arch)
-        print(
-            f"{script}: built for {args.arch} with {default_config(D, args.causal, args.arch, Sq)}"
-        )
+        print(f"{script}: built for {args.arch} with {default_config(args.arch, Sq)}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
 
-    harness.require_gpu(script)
+    harness.require_gpu(script, capability=(9, 0))
     dtype = harness.DTYPES[args.dtype]
     config = None
     if args.tune:
         # Every candidate side by side in one run; the fastest backward is then checked.
-        named = {"tilelang " + _config_name(c): c for c in tune_configs(D)}
+        named = {"tilelang " + _config_name(c): c for c in tune_configs()}
         rows = benchmark(B, H, Sq, Sk, D, args.causal, dtype, named)
         best = min((r for r in rows["bwd"] if r["ours"]), key=lambda r: r["ms"])["impl"]
         config = named[best]

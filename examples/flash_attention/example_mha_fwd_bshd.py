@@ -40,6 +40,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -54,6 +55,7 @@ PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
 }
 HEAD_DIMS = (64, 128, 256)
+ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
 
 
@@ -391,37 +393,39 @@ def device_arch(device) -> str:
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     B, _, H, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
     if k.shape[2] != H:
         raise ValueError(
-            f"k has {k.shape[2]} heads but q has {H}: this is the MHA script "
-            "(use example_gqa_fwd_bshd.py for grouped-query attention)"
+            f"k has {k.shape[2]} heads but q has {H}: MHA script (GQA: example_gqa_fwd_bshd.py)"
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, config=None):
@@ -430,7 +434,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, confi
     Returns ``out [B, Sq, H, D]``, and ``lse [B, H, Sq]`` (float32, natural log) when
     ``return_lse``. ``config`` overrides the tile configuration (see ``default_config``).
     """
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, causal, softmax_scale)
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
     if softmax_scale is None:
@@ -510,24 +514,20 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0])
+    parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS)
     return parser
 
 
 def main(argv=None):
     harness = _harness()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
     Sk = args.seq_len_k or Sq
     scale = 1.0 / math.sqrt(D)
     script = pathlib.Path(__file__).name
 
     if args.compile_only:
-        try:
-            cfg = default_config(D, args.causal, args.arch, Sk)
-        except ValueError as err:
-            parser.error(str(err))
+        cfg = default_config(D, args.causal, args.arch, Sk)
         kernel = harness.compile_for(
             flashattn_fwd, args.arch, B, H, Sq, Sk, D, args.causal, scale, args.dtype, **cfg
         )

@@ -16,7 +16,8 @@ contribution from every key block, so each block adds its share into a float32 d
 adds. dK and dV belong to one block each and are stored directly.
 
 Causal masking is aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk - Sq``);
-rows that see no key give zero output and zero gradients.
+rows that see no key give zero output and zero gradients; an empty batch or sequence builds
+and launches nothing.
 
 Status: every kernel is compiled for sm_100a and its generated code inspected by
 tests/test_sm100.py; the script has not been run on Blackwell hardware yet. On a B200, ``main``
@@ -40,6 +41,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -55,6 +57,7 @@ PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
 }
 HEAD_DIMS = (64, 128)
+ARCHS = ("sm_100a",)  # --arch: Blackwell only (TCGEN05 MMA, tensor memory)
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may use on SM100 (227 KB)
 TMEM_COLUMNS = 512  # 128 lanes × 512 columns of 32 bits per SM
 
@@ -392,35 +395,37 @@ def build_kernels(args, target=None):
 
 
 # ----------------------------------------------------------------------------- torch-facing
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     B, _, H, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
     if k.shape[2] != H:
         raise ValueError(
-            f"k has {k.shape[2]} heads but q has {H}: this is the MHA script "
-            "(use gqa_bwd_bshd.py for grouped-query attention)"
+            f"k has {k.shape[2]} heads but q has {H}: MHA script (GQA: gqa_bwd_bshd.py)"
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 _kernels = {}
@@ -433,14 +438,16 @@ class _FlashAttention(torch.autograd.Function):
         Sk, Hkv = k.shape[1], k.shape[2]
         dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
         args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
-        if args not in _kernels:
-            _kernels[args] = build_kernels(args)
-        fwd = _kernels[args][0]
         q, k, v = (t.contiguous() for t in (q, k, v))
         out = torch.empty_like(q)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        if Sq > 0:
-            fwd(q, k, v, out, lse)
+        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
+            out.zero_()
+            lse.fill_(math.inf)
+        elif out.numel() > 0:
+            if args not in _kernels:
+                _kernels[args] = build_kernels(args)
+            _kernels[args][0](q, k, v, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         return out
@@ -448,7 +455,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        bwd = _kernels[ctx.args][1]
+        if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
         dout = dout.contiguous()
         # delta_i = Σ_d dO·O: the row term of softmax's backward, [B, H, Sq] in float32.
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
@@ -456,15 +464,14 @@ class _FlashAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)  # every row is stored
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if q.shape[1] > 0 and k.shape[1] > 0:
-            bwd(q, k, v, dout, lse, delta, dq, dk, dv)
+        _kernels[ctx.args][1](q, k, v, dout, lse, delta, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def attention(q, k, v, causal=False, softmax_scale=None):
     """Differentiable FlashAttention on Blackwell: ``q [B, Sq, H, D]``, ``k, v [B, Sk, H, D]``
     (fp16/bf16, CUDA) → ``out [B, Sq, H, D]``; ``out.backward`` runs the TCGEN05 backward."""
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     return _FlashAttention.apply(q, k, v, bool(causal), float(softmax_scale))
@@ -501,8 +508,9 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0], seq_len=2048)
-    parser.set_defaults(arch="sm_100a")
+    parser = _harness().base_parser(
+        __doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS, seq_len=2048
+    )
     return parser
 
 
@@ -515,8 +523,6 @@ def main(argv=None):
     Sk = args.seq_len_k or Sq
     scale = 1.0 / math.sqrt(D)
     script = pathlib.Path(__file__).name
-    if D not in HEAD_DIMS:
-        parser.error(f"--dim must be one of {HEAD_DIMS}, got {D}")
 
     if args.compile_only:
         kargs = (B, H, Hkv, Sq, Sk, D, args.causal, scale, args.dtype)

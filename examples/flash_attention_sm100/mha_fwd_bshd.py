@@ -52,6 +52,7 @@ Run:
 """
 
 import math
+import numbers
 import pathlib
 import sys
 
@@ -67,6 +68,7 @@ PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
 }
 HEAD_DIMS = (64, 128)
+ARCHS = ("sm_100a",)  # --arch: Blackwell only (TCGEN05 MMA, tensor memory)
 VARIANTS = ("ss", "ts", "wasp")
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may use on SM100 (227 KB)
 TMEM_COLUMNS = 512  # 128 lanes × 512 columns of 32 bits per SM
@@ -411,11 +413,10 @@ def flashattn_ts(*args, **kwargs):
     return flashattn_fwd(*args, variant="ts", **kwargs)
 
 
-def default_config(variant, dim):
-    """Tiles for a variant and head dim: 128 query rows (one per TMEM lane), 128 keys; the
-    warp-specialized kernel keeps two K/V stages in flight. Checked against SM100's limits by
-    ``smem_bytes``/``tmem_columns`` below."""
-    del dim  # 128×128 tiles fit shared memory and TMEM for every supported head dim
+def default_config(variant):
+    """Tiles for a variant: 128 query rows (one per TMEM lane), 128 keys, which fit shared memory
+    and TMEM at every supported head dim; the warp-specialized kernel keeps two K/V stages in
+    flight. Checked against SM100's limits by ``smem_bytes``/``tmem_columns`` below."""
     if variant == "wasp":
         return dict(block_M=128, block_N=128, num_stages=2)
     return dict(block_M=128, block_N=128)
@@ -482,7 +483,7 @@ def build_forward(variant, args, config=None, target=None):
     """
     dim = args[4]
     if variant == "wasp":
-        cfg = config or default_config("wasp", dim)
+        cfg = config or default_config("wasp")
         check_config("wasp", dim, cfg)
         try:
             return _compile(flashattn_fwd_wasp, args, cfg, target), "wasp"
@@ -494,7 +495,7 @@ def build_forward(variant, args, config=None, target=None):
                 file=sys.stderr,
             )
             variant, config = "ts", None
-    cfg = config or default_config(variant, dim)
+    cfg = config or default_config(variant)
     check_config(variant, dim, cfg)
     pinned = flashattn_ss if variant == "ss" else flashattn_ts
     if target is None:
@@ -503,35 +504,37 @@ def build_forward(variant, args, config=None, target=None):
 
 
 # ----------------------------------------------------------------------------- torch-facing
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     B, _, H, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
     if k.shape[2] != H:
         raise ValueError(
-            f"k has {k.shape[2]} heads but q has {H}: this is the MHA script "
-            "(use gqa_fwd_bshd.py for grouped-query attention)"
+            f"k has {k.shape[2]} heads but q has {H}: MHA script (GQA: gqa_fwd_bshd.py)"
         )
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on the same device")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
 
 
 _kernels = {}
@@ -547,20 +550,23 @@ def attention(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, causal, softmax_scale)
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-    args = (B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
-    key = (variant, args, tuple(sorted((config or {}).items())))
-    if key not in _kernels:  # remembers a wasp → ts fallback, so it warns once
-        _kernels[key] = build_forward(variant, args, config)[0]
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sq > 0:
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+        args = (B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
+        key = (variant, args, tuple(sorted((config or {}).items())))
+        if key not in _kernels:  # remembers a wasp → ts fallback, so it warns once
+            _kernels[key] = build_forward(variant, args, config)[0]
         _kernels[key](q, k, v, out, lse)
     return (out, lse) if return_lse else out
 
@@ -597,9 +603,8 @@ def _harness():
 
 
 def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0])
+    parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS)
     parser.add_argument("--variant", choices=VARIANTS, default="wasp", help="see the docstring")
-    parser.set_defaults(arch="sm_100a")
     return parser
 
 
@@ -610,8 +615,6 @@ def main(argv=None):
     Sk = args.seq_len_k or Sq
     scale = 1.0 / math.sqrt(D)
     script = pathlib.Path(__file__).name
-    if D not in HEAD_DIMS:
-        sys.exit(f"{script}: --dim must be one of {HEAD_DIMS}, got {D}")
 
     if args.compile_only:
         kargs = (B, H, Sq, Sk, D, args.causal, scale, args.dtype)

@@ -151,9 +151,8 @@ def _harness():
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--m", type=int, default=8192)
-    p.add_argument("--n", type=int, default=8192)
-    p.add_argument("--k", type=int, default=8192)
+    for size in ("--m", "--n", "--k"):
+        p.add_argument(size, type=_harness().positive_int, default=8192)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the check")
     p.add_argument("--no-bench", dest="bench", action="store_false", help="skip the benchmark")
