@@ -73,7 +73,7 @@ def build_backward(fast, plain, B, H, S, D, causal, dtype):
     plain.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.forward_config(D, arch))
     plain.flashattn_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.default_config(arch))
     build_forward(fast.fwd, B, H, S, D, causal, dtype)
-    cfg = fast.default_config(D, causal, arch)
+    cfg = fast.default_config(D, arch)
     pad = fast.padded_len(S, cfg["block_N"])
     fast.flash_bwd_prep(B, H, S, pad, D, dtype)
     fast.flash_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)

@@ -16,7 +16,6 @@ import sys
 import torch
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-ARCHS = ("sm_90a", "sm_100a")  # the collection's targets; each script offers the ones it builds
 
 
 # ----------------------------------------------------------------------------- command line
@@ -31,7 +30,7 @@ def positive_int(text: str) -> int:
 def base_parser(
     description: str,
     *,
-    archs: tuple[str, ...] = ARCHS,
+    archs: tuple[str, ...],
     dims: tuple[int, ...] | None = None,
     dim: int = 128,
     seq_len: int = 4096,

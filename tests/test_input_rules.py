@@ -1,9 +1,7 @@
 """The rules every script applies to its input, the same way on the command line and in the
 torch-facing function: which --arch a script offers, which sizes and head dims it takes. Refusals
 are one-line argparse errors (exit code 2) or ValueErrors naming the argument, found on a machine
-without a GPU.
-
-example_mha_bwd_wgmma_pipelined.py is left out here while it is being reworked."""
+without a GPU."""
 
 import math
 
@@ -21,6 +19,7 @@ SCRIPTS = {
     "flash_attention/example_gqa_fwd_bshd.py": (HOPPER, (64, 128, 256)),
     "flash_attention/example_mha_bwd_bshd.py": (HOPPER, (64, 128)),
     "flash_attention/example_mha_bwd_bhsd.py": (HOPPER, (64, 128)),
+    "flash_attention/example_mha_bwd_wgmma_pipelined.py": (HOPPER, (64, 128)),
     # the generic (non-Hopper) tiles of default_config build there: test_gqa_bwd_builds_for_sm80
     "flash_attention/example_gqa_bwd.py": (("sm_80", "sm_89", "sm_90a", "sm_100a"), (64, 128, 192)),
     "flash_attention/example_gqa_bwd_tma_reduce.py": (HOPPER, (64, 128, 192)),
