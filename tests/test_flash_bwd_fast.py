@@ -62,7 +62,10 @@ def test_generated_code_holds_the_schedule(dim, causal):
     # that leave one GEMM running (after S/dP, after dQ, after dK).
     assert bwd.count("wait_wgmma<1>") == 2 * 3
     assert bwd.count("wgmma_rs") == 2 * 2  # dV and dK take P and dS from registers
-    assert bwd.count("__sync_thread_partial(8, 256)") == 2  # one named barrier a step
+    # One named barrier a step and one before the epilogue, per warpgroup; then each
+    # warpgroup's own barrier before its rows of dK/dV leave shared memory.
+    assert bwd.count("__sync_thread_partial(8, 256)") == 2 * 2
+    assert bwd.count("__sync_thread_partial(9, 128)") == bwd.count("(10, 128)") == 1
     assert "fence_proxy_async" in bwd
     # dQ: stored in accumulator order by 16-byte vectors, then one bulk reduce-add (the 1-D
     # form: shared address, global address, byte count) a step, and no per-thread atomics.

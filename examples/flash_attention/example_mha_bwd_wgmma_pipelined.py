@@ -47,7 +47,9 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   reduce-add; the float32 accumulator keeps that order, one block per query block. dSᵀ is
   double-buffered in shared memory, so the one barrier per step is enough: a warpgroup writes
   buffer ``i % 2`` at step ``i`` only after both passed step ``i − 1``'s barrier, that is,
-  after both finished step ``i − 2``'s dQ GEMM, the last reader of that buffer.
+  after both finished step ``i − 2``'s dQ GEMM, the last reader of that buffer. After the last
+  step, dK and dV go out through K's and V's shared-memory buffers, so that they are written as
+  16-byte row vectors (straight from registers they would fill half of each 32-byte sector).
 - A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
   units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
   get P = 0 without a mask, and every TMA box starts 16-byte aligned); one after
@@ -101,8 +103,10 @@ BWD_PASS_CONFIGS = {
 HEAD_DIMS = (64, 128)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# Named barrier for the two consumer warpgroups (ids below 8 are left to TileLang's own passes).
+# Named barriers (ids below 8 are left to TileLang's own passes): the two consumer warpgroups
+# together, then one per warpgroup for its epilogue.
 DS_READY = 8
+EPILOGUE = 9
 
 
 def accumulator_index(r, c):
@@ -315,10 +319,20 @@ def flash_bwd(
             T.barrier_arrive(q_empty[stage])
         for r, c in T.Parallel(wg_keys, dim):
             dk[r, c] = dk[r, c] * softmax_scale
-        # Guarded stores straight from registers: keys past Sk are not written.
+        # Epilogue through shared memory: from registers each thread holds pairs of 16-bit
+        # values scattered over rows, which would fill half of every 32-byte sector it writes;
+        # staged in K and V's buffers, the rows leave as 16-byte vectors. V's rows are this
+        # warpgroup's alone; K's are free once both warpgroups' last dQ GEMM (it reads every
+        # row of K) is done, which the named barrier says. Keys past Sk are not written.
+        T.copy(dv, V_shared[r0 : r0 + wg_keys, :])
+        T.sync_threads(DS_READY, consumers)
+        T.copy(dk, K_shared[r0 : r0 + wg_keys, :])
+        T.sync_threads(EPILOGUE + wg, 128)  # this warpgroup's rows are all in shared memory
         first_key = bx * block_M + wg * wg_keys
-        T.copy(dv, dV[bz, first_key : first_key + wg_keys, by, :])
-        T.copy(dk, dK[bz, first_key : first_key + wg_keys, by, :])
+        for r, c in T.Parallel(wg_keys, dim):
+            if first_key + r < seq_kv:
+                dV[bz, first_key + r, by, c] = V_shared[r0 + r, c]
+                dK[bz, first_key + r, by, c] = K_shared[r0 + r, c]
 
     @T.prim_func
     def flash_bwd(
