@@ -560,7 +560,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, strategy, config):
     return dq, dk, dv
 
 
-class FlashAttnGQAFunc(torch.autograd.Function):
+class FlashAttnFunc(torch.autograd.Function):
     """Forward kernel + saved lse; backward kernels. (No torch.compile here: the kernels are
     already compiled, and compiling an autograd.Function class changes nothing but the trace.)"""
 
@@ -601,7 +601,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", conf
     _check_inputs(q, k, v, causal, softmax_scale, strategy)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttnGQAFunc.apply(q, k, v, bool(causal), float(softmax_scale), strategy, config)
+    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale), strategy, config)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -495,7 +495,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
     return dq, dk, dv
 
 
-class FlashAttnGQAFunc(torch.autograd.Function):
+class FlashAttnFunc(torch.autograd.Function):
     """Forward kernel + saved lse; backward kernels. (No torch.compile here: the kernels are
     already compiled, and compiling an autograd.Function class changes nothing but the trace.)"""
 
@@ -535,7 +535,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttnGQAFunc.apply(q, k, v, bool(causal), float(softmax_scale), config)
+    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale), config)
 
 
 # ----------------------------------------------------------------------------- reference

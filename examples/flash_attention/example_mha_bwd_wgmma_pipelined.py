@@ -508,7 +508,7 @@ def tune_configs(dim):
 
 
 # ----------------------------------------------------------------------------- torch-facing
-def _dtype_name(t):
+def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
@@ -553,7 +553,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     Sk = k.shape[1]
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dtype = _dtype_name(q)
+    dtype = dtype_name(q)
     cfg = config or default_config(D, fwd.device_arch(q.device))
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
@@ -571,7 +571,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     return dq, dk, dv
 
 
-class FlashAttentionFunction(torch.autograd.Function):
+class FlashAttnFunc(torch.autograd.Function):
     """Forward (example_mha_fwd_bshd.py's kernel) saves (q, k, v, out, lse); backward runs
     preprocess, backward, postprocess."""
 
@@ -599,7 +599,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    return FlashAttentionFunction.apply(q, k, v, causal, float(softmax_scale), config)
+    return FlashAttnFunc.apply(q, k, v, causal, float(softmax_scale), config)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -435,7 +435,7 @@ def _check_inputs(q, k, v, causal, softmax_scale):
 _kernels = {}
 
 
-class _FlashAttention(torch.autograd.Function):
+class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale):
         B, Sq, H, D = q.shape
@@ -478,7 +478,7 @@ def attention(q, k, v, causal=False, softmax_scale=None):
     _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, bool(causal), float(softmax_scale))
+    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale))
 
 
 # ----------------------------------------------------------------------------- reference
