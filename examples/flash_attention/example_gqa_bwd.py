@@ -529,7 +529,28 @@ def _check_inputs(q, k, v, causal, softmax_scale, strategy):
         )
 
 
-def _backward(q, k, v, out, lse, dout, causal, softmax_scale, strategy, config):
+def attention_forward(q, k, v, causal, softmax_scale):
+    """Forward kernel alone: ``out [B, Sq, H, Dv]`` and ``lse [B, H, Sq]`` (float32, natural
+    log)."""
+    B, Sq, H, Dqk = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        fwd_cfg = forward_config(Dqk, device_arch(q.device))
+        kernel = flashattn_fwd(
+            B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
+        )
+        kernel(q, k, v, out, lse)
+    return out, lse
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, causal, softmax_scale, config=None, strategy="atomic"
+):
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -538,6 +559,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, strategy, config):
     dtype = dtype_name(q)
     cfg = config or default_config(Dqk, Dv, device_arch(q.device))
     splits = H // Hkv if strategy == "split" else 1
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
 
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     flashattn_bwd_preprocess(B, H, Sq, Dv, dtype)(out, dout, delta)
@@ -566,28 +588,19 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, strategy, config):
-        B, Sq, H, Dqk = q.shape
-        Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
         q, k, v = (t.contiguous() for t in (q, k, v))
-        out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
-            out.zero_()
-            lse.fill_(math.inf)
-        elif out.numel() > 0:
-            fwd_cfg = forward_config(Dqk, device_arch(q.device))
-            kernel = flashattn_fwd(
-                B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
-            )
-            kernel(q, k, v, out, lse)
+        out, lse = attention_forward(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (causal, softmax_scale, strategy, config)
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.strategy, ctx.config = strategy, config
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.settings)
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.config, ctx.strategy
+        )
         return dq, dk, dv, None, None, None, None
 
 

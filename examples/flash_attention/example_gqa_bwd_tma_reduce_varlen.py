@@ -629,7 +629,7 @@ def _check_inputs(
         )
 
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
+def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
     """out ``[total_q, H, D]`` and lse ``[H, stats_len]`` in the aligned stats layout (natural
     log; the gap columns between sequences are never written)."""
     (total_q, H, D), Hkv = q.shape, k.shape[1]
@@ -646,15 +646,17 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_
     return out, lse
 
 
-def _backward(
-    q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlens, causal, scale, config
-):
+def attention_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlens, causal, softmax_scale,
+    config=None,
+):  # fmt: skip
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
     (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
     if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
     cfg = config or default_config(device_arch(q.device))
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
 
     # Zeros first: the backward multiplies by delta, masked columns included, so the gap columns
     # the preprocess never writes must hold no stale NaN.
@@ -666,7 +668,7 @@ def _backward(
     dq_acc = torch.zeros(H, total_q, D, dtype=torch.float32, device=q.device)
     dk_acc = torch.zeros(total_k, Hkv, D, dtype=torch.float32, device=q.device)
     dv_acc = torch.zeros(total_k, Hkv, D, dtype=torch.float32, device=q.device)
-    kernel = flashattn_bwd_varlen(H, Hkv, D, causal, scale, dtype, **cfg)
+    kernel = flashattn_bwd_varlen(H, Hkv, D, causal, softmax_scale, dtype, **cfg)
     kernel(
         q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, dq_acc, dk_acc, dv_acc
     )
@@ -697,7 +699,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         config,
     ):
         q, k, v = (t.contiguous() for t in (q, k, v))
-        out, lse = _forward(
+        out, lse = attention_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -708,8 +710,8 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         max_seqlens, causal, softmax_scale, config = ctx.settings
-        dq, dk, dv = _backward(
-            q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k,
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
             max_seqlens, causal, softmax_scale, config,
         )  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None, None

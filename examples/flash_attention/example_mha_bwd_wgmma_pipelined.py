@@ -547,6 +547,12 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         )
 
 
+def attention_forward(q, k, v, causal, softmax_scale):
+    """example_mha_fwd_bshd.py's persistent forward: ``out [B, Sq, H, D]`` and
+    ``lse [B, H, Sq]`` (float32, natural log)."""
+    return fwd.attention(q, k, v, causal, softmax_scale, return_lse=True)
+
+
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
     """The three backward kernels: returns ``dq, dk, dv`` in the input dtype."""
     B, Sq, H, D = q.shape
@@ -577,7 +583,7 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, config):
-        out, lse = fwd.attention(q, k, v, causal, softmax_scale, return_lse=True)
+        out, lse = attention_forward(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
         return out
