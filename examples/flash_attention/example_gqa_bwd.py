@@ -280,7 +280,10 @@ def flashattn_bwd(
         dK: T.Tensor([splits, batch, seq_kv, heads_kv, dim_qk], accum_dtype),
         dV: T.Tensor([splits, batch, seq_kv, heads_kv, dim_v], accum_dtype),
     ):
-        with T.Kernel(heads, T.ceildiv(seq_kv, block_M), batch, threads=threads) as (bx, by, bz):
+        # The head is the fastest-varying grid dimension (blockIdx.x): a group's query heads,
+        # which read the same K/V block and add into the same dK/dV, run side by side and share
+        # it in L2. The names keep their meaning: bx the key block, by the head, bz the batch.
+        with T.Kernel(heads, T.ceildiv(seq_kv, block_M), batch, threads=threads) as (by, bx, bz):
             K_shared = T.alloc_shared([block_M, dim_qk], dtype)
             V_shared = T.alloc_shared([block_M, dim_v], dtype)
             Q_shared = T.alloc_shared([block_N, dim_qk], dtype)
@@ -300,8 +303,8 @@ def flashattn_bwd(
 
             T.annotate_layout({dQ: dq_layout(dQ)})
 
-            T.copy(K[bz, by * block_M : (by + 1) * block_M, bx // groups, :], K_shared)
-            T.copy(V[bz, by * block_M : (by + 1) * block_M, bx // groups, :], V_shared)
+            T.copy(K[bz, bx * block_M : (bx + 1) * block_M, by // groups, :], K_shared)
+            T.copy(V[bz, bx * block_M : (bx + 1) * block_M, by // groups, :], V_shared)
             T.clear(dk)
             T.clear(dv)
 
@@ -310,18 +313,18 @@ def flashattn_bwd(
             # its queries precede some of the keys (query i sees key j iff i >= j - offset).
             loop_st = 0
             if causal:
-                loop_st = T.max(0, by * block_M - offset) // block_N
+                loop_st = T.max(0, bx * block_M - offset) // block_N
             loop_ed = T.ceildiv(seq_q, block_N)
             # From this query block on, every query sees every key of the block.
             first_unmasked = loop_st
             if causal:
-                first_unmasked = T.ceildiv(T.max(0, (by + 1) * block_M - 1 - offset), block_N)
-            key_tail = (by + 1) * block_M > seq_kv
+                first_unmasked = T.ceildiv(T.max(0, (bx + 1) * block_M - 1 - offset), block_N)
+            key_tail = (bx + 1) * block_M > seq_kv
 
             # Never empty (the last query sees every key), so the consumers always wait for
             # the K/V tiles' TMA loads inside the loop.
             for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
-                T.copy(Q[bz, k * block_N : (k + 1) * block_N, bx, :], Q_shared)
+                T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
                 T.gemm(
                     K_shared,
                     Q_shared,
@@ -330,20 +333,20 @@ def flashattn_bwd(
                     clear_accum=True,
                     policy=T.GemmWarpPolicy.FullRow,
                 )
-                T.copy(lse[bz, bx, k * block_N : (k + 1) * block_N], lse_shared)
+                T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
                 # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
                 for i, j in T.Parallel(block_M, block_N):
                     acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
                 if key_tail or k < first_unmasked or (k + 1) * block_N > seq_q:
                     for i, j in T.Parallel(block_M, block_N):
-                        key = by * block_M + i
+                        key = bx * block_M + i
                         query = k * block_N + j
                         visible = key < seq_kv and query < seq_q
                         if causal:
                             visible = visible and key <= query + offset
                         acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
 
-                T.copy(dO[bz, k * block_N : (k + 1) * block_N, bx, :], dO_shared)
+                T.copy(dO[bz, k * block_N : (k + 1) * block_N, by, :], dO_shared)
                 T.gemm(
                     V_shared,
                     dO_shared,
@@ -355,7 +358,7 @@ def flashattn_bwd(
                 T.copy(acc_s, acc_s_cast)
                 T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
 
-                T.copy(Delta[bz, bx, k * block_N : (k + 1) * block_N], delta_shared)
+                T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
                 for i, j in T.Parallel(block_M, block_N):
                     ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
                 T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
@@ -364,27 +367,27 @@ def flashattn_bwd(
                 T.copy(ds_cast, ds_shared)
                 T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(block_N, dim_qk):
-                    T.atomic_add(dQ[bz, k * block_N + i, bx, j], dq[i, j])
+                    T.atomic_add(dQ[bz, k * block_N + i, by, j], dq[i, j])
 
             T.copy(dv, dv_shared)
             T.copy(dk, dk_shared)
             if strategy == "atomic":
                 # One regional atomic per tile: the group's query heads meet in the same dK/dV.
                 T.atomic_add(
-                    dV[0, bz, by * block_M : (by + 1) * block_M, bx // groups, :], dv_shared
+                    dV[0, bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dv_shared
                 )
                 T.atomic_add(
-                    dK[0, bz, by * block_M : (by + 1) * block_M, bx // groups, :], dk_shared
+                    dK[0, bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dk_shared
                 )
             else:
-                # Each group member owns slice `bx % groups`: plain stores.
+                # Each group member owns slice `by % groups`: plain stores.
                 T.copy(
                     dv_shared,
-                    dV[bx % groups, bz, by * block_M : (by + 1) * block_M, bx // groups, :],
+                    dV[by % groups, bz, bx * block_M : (bx + 1) * block_M, by // groups, :],
                 )
                 T.copy(
                     dk_shared,
-                    dK[bx % groups, bz, by * block_M : (by + 1) * block_M, bx // groups, :],
+                    dK[by % groups, bz, bx * block_M : (bx + 1) * block_M, by // groups, :],
                 )
 
     return flash_bwd

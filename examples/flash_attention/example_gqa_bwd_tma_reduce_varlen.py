@@ -326,9 +326,12 @@ def flashattn_bwd_varlen(
         dK: T.Tensor([total_k, heads_kv, dim], accum_dtype),
         dV: T.Tensor([total_k, heads_kv, dim], accum_dtype),
     ):
+        # The head is the fastest-varying grid dimension (blockIdx.x): a group's query heads,
+        # which read the same K/V block and add into the same dK/dV, run side by side and share
+        # it in L2. The names keep their meaning: bx the key block, by the head, bz the sequence.
         with T.Kernel(heads, T.ceildiv(max_seqlen_k, block_M), batch, threads=threads) as (
-            bx,
             by,
+            bx,
             bz,
         ):
             K_shared = T.alloc_shared([block_M, dim], dtype)
@@ -347,7 +350,7 @@ def flashattn_bwd_varlen(
             dk = T.alloc_fragment([block_M, dim], accum_dtype)
             dv = T.alloc_fragment([block_M, dim], accum_dtype)
 
-            key0 = by * block_M  # first key of this block, within the sequence
+            key0 = bx * block_M  # first key of this block, within the sequence
             # Key blocks past this sequence's keys, and sequences without queries (their keys'
             # gradients stay 0), leave before any load is issued. (The lengths are read straight
             # from cu_seqlens here: bound to names before this `if`, TileLang 0.1.15's warp
@@ -362,8 +365,8 @@ def flashattn_bwd_varlen(
                 seq_len_k = cu_seqlens_k[bz + 1] - k_start
                 offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
                 stats0 = stats_start(q_start, bz)  # 16-byte aligned: where TMA boxes start
-                T.copy(K[k_start + key0 : k_start + key0 + block_M, bx // groups, :], K_shared)
-                T.copy(V[k_start + key0 : k_start + key0 + block_M, bx // groups, :], V_shared)
+                T.copy(K[k_start + key0 : k_start + key0 + block_M, by // groups, :], K_shared)
+                T.copy(V[k_start + key0 : k_start + key0 + block_M, by // groups, :], V_shared)
                 T.clear(dk)
                 T.clear(dv)
 
@@ -385,7 +388,7 @@ def flashattn_bwd_varlen(
                 # consumers always wait for the K/V tiles' TMA loads inside the loop.
                 for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
                     q0 = q_start + k * block_N  # first packed row of this query block
-                    T.copy(Q[q0 : q0 + block_N, bx, :], Q_shared)
+                    T.copy(Q[q0 : q0 + block_N, by, :], Q_shared)
                     T.gemm(
                         K_shared,
                         Q_shared,
@@ -395,7 +398,7 @@ def flashattn_bwd_varlen(
                         policy=T.GemmWarpPolicy.FullRow,
                     )
                     s0 = stats0 + k * block_N  # this query block's first stats column
-                    T.copy(lse[bx, s0 : s0 + block_N], lse_shared)
+                    T.copy(lse[by, s0 : s0 + block_N], lse_shared)
                     # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
                     for i, j in T.Parallel(block_M, block_N):
                         acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
@@ -412,7 +415,7 @@ def flashattn_bwd_varlen(
                                 visible = visible and key <= query + offset
                             acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
 
-                    T.copy(dO[q0 : q0 + block_N, bx, :], dO_shared)
+                    T.copy(dO[q0 : q0 + block_N, by, :], dO_shared)
                     T.gemm(
                         V_shared,
                         dO_shared,
@@ -424,7 +427,7 @@ def flashattn_bwd_varlen(
                     T.copy(acc_s, acc_s_cast)
                     T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
 
-                    T.copy(Delta[bx, s0 : s0 + block_N], delta_shared)
+                    T.copy(Delta[by, s0 : s0 + block_N], delta_shared)
                     for i, j in T.Parallel(block_M, block_N):
                         ds_cast[i, j] = (
                             acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
@@ -437,13 +440,13 @@ def flashattn_bwd_varlen(
                     # One TMA reduce-add per tile (zeros past the sequence end, rows past
                     # total_q dropped by the TMA unit).
                     T.copy(dq, dq_shared)
-                    T.atomic_add(dQ[bx, q0 : q0 + block_N, :], dq_shared, use_tma=True)
+                    T.atomic_add(dQ[by, q0 : q0 + block_N, :], dq_shared, use_tma=True)
 
                 # One regional atomic per tile, from registers (vectorized, bounds-checked
                 # rows): the group's query heads meet in the same dK/dV.
                 kv0 = k_start + key0
-                T.atomic_add(dV[kv0 : kv0 + block_M, bx // groups, :], dv)
-                T.atomic_add(dK[kv0 : kv0 + block_M, bx // groups, :], dk)
+                T.atomic_add(dV[kv0 : kv0 + block_M, by // groups, :], dv)
+                T.atomic_add(dK[kv0 : kv0 + block_M, by // groups, :], dk)
 
     return flash_bwd_varlen
 
