@@ -311,19 +311,19 @@ def flashattn_bwd(
             # Query blocks that see at least one of this block's keys; a query block needs a
             # mask when it crosses Sq, when this key block crosses Sk, or (causal) when some of
             # its queries precede some of the keys (query i sees key j iff i >= j - offset).
-            loop_st = 0
+            q_start = 0
             if causal:
-                loop_st = T.max(0, bx * block_M - offset) // block_N
-            loop_ed = T.ceildiv(seq_q, block_N)
+                q_start = T.max(0, bx * block_M - offset) // block_N
+            q_end = T.ceildiv(seq_q, block_N)
             # From this query block on, every query sees every key of the block.
-            first_unmasked = loop_st
+            first_unmasked = q_start
             if causal:
                 first_unmasked = T.ceildiv(T.max(0, (bx + 1) * block_M - 1 - offset), block_N)
             key_tail = (bx + 1) * block_M > seq_kv
 
             # Never empty (the last query sees every key), so the consumers always wait for
             # the K/V tiles' TMA loads inside the loop.
-            for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
+            for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
                 T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
                 T.gemm(
                     K_shared,

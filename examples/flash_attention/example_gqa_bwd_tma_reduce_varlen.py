@@ -82,12 +82,12 @@ HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA loads and reduce-adds, WGMMA)
 
 
-def stats_start(q_start, b):
-    """First lse/Delta column of sequence ``b`` (its first packed row is ``q_start``):
-    ``q_start + 3b`` rounded down to a multiple of 4 floats — 16-byte aligned, and never inside
+def stats_start(q_offset, b):
+    """First lse/Delta column of sequence ``b`` (its first packed row is ``q_offset``):
+    ``q_offset + 3b`` rounded down to a multiple of 4 floats — 16-byte aligned, and never inside
     the previous sequence's columns, since each sequence gets 3 floats of slack. Works on Python
     ints and on TileLang expressions alike."""
-    return (q_start + 3 * b) // 4 * 4
+    return (q_offset + 3 * b) // 4 * 4
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -144,12 +144,12 @@ def flashattn_fwd_varlen(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            q_start = cu_seqlens_q[bz]
-            k_start = cu_seqlens_k[bz]
-            seq_len_q = cu_seqlens_q[bz + 1] - q_start
-            seq_len_k = cu_seqlens_k[bz + 1] - k_start
+            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+            k_offset = cu_seqlens_k[bz]  # and of its keys
+            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
             offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
-            lse_start = stats_start(q_start, bz)  # this sequence's first lse column
+            lse_start = stats_start(q_offset, bz)  # this sequence's first lse column
 
             # The grid is sized for the longest sequence: blocks past this one's end leave at
             # once, before any load is issued (so none can still be in flight at exit).
@@ -161,7 +161,7 @@ def flashattn_fwd_varlen(
 
                 # Rows past the sequence end belong to the next sequence (or read as zeros past
                 # total_q): they are computed and thrown away, never stored.
-                T.copy(Q[q_start + row0 : q_start + row0 + block_M, by, :], Q_shared)
+                T.copy(Q[q_offset + row0 : q_offset + row0 + block_M, by, :], Q_shared)
                 T.fill(acc_o, 0)
                 T.fill(logsum, 0)
                 T.fill(scores_max, neg_inf)
@@ -182,7 +182,7 @@ def flashattn_fwd_varlen(
                 n_blocks = T.max(1, n_blocks)
 
                 for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                    kv0 = k_start + k * block_N
+                    kv0 = k_offset + k * block_N
                     T.copy(K[kv0 : kv0 + block_N, by // groups, :], K_shared)
                     T.gemm(
                         Q_shared,
@@ -229,11 +229,11 @@ def flashattn_fwd_varlen(
                 # (a TMA box would overwrite the next sequence's first rows).
                 T.copy(acc_o, O_shared)
                 if row0 + block_M <= seq_len_q:
-                    T.copy(O_shared, Output[q_start + row0 : q_start + row0 + block_M, by, :])
+                    T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
                 else:
                     for i, j in T.Parallel(block_M, dim):
                         if row0 + i < seq_len_q:
-                            Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                            Output[q_offset + row0 + i, by, j] = O_shared[i, j]
                 for i in T.Parallel(block_M):
                     if row0 + i < seq_len_q:
                         lse[by, lse_start + row0 + i] = T.if_then_else(
@@ -266,14 +266,14 @@ def flashattn_bwd_preprocess(heads, dim, dtype="float16", block=64):
             do = T.alloc_fragment([block, dim], dtype)
             acc = T.alloc_fragment([block, dim], accum_dtype)
             delta = T.alloc_fragment([block], accum_dtype)
-            q_start = cu_seqlens_q[bz]
-            seq_len_q = cu_seqlens_q[bz + 1] - q_start
-            delta_start = stats_start(q_start, bz)
+            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+            delta_start = stats_start(q_offset, bz)
             row0 = bx * block
             if row0 < seq_len_q:
                 # Rows past the sequence end are the next sequence's: computed, not stored.
-                T.copy(Output[q_start + row0 : q_start + row0 + block, by, :], o)
-                T.copy(dO[q_start + row0 : q_start + row0 + block, by, :], do)
+                T.copy(Output[q_offset + row0 : q_offset + row0 + block, by, :], o)
+                T.copy(dO[q_offset + row0 : q_offset + row0 + block, by, :], do)
                 for i, j in T.Parallel(block, dim):
                     acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
                 T.reduce_sum(acc, delta, dim=1)
@@ -359,14 +359,14 @@ def flashattn_bwd_varlen(
                 key0 < cu_seqlens_k[bz + 1] - cu_seqlens_k[bz]
                 and cu_seqlens_q[bz + 1] > cu_seqlens_q[bz]
             ):
-                q_start = cu_seqlens_q[bz]
-                k_start = cu_seqlens_k[bz]
-                seq_len_q = cu_seqlens_q[bz + 1] - q_start
-                seq_len_k = cu_seqlens_k[bz + 1] - k_start
+                q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+                k_offset = cu_seqlens_k[bz]  # and of its keys
+                seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                seq_len_k = cu_seqlens_k[bz + 1] - k_offset
                 offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
-                stats0 = stats_start(q_start, bz)  # 16-byte aligned: where TMA boxes start
-                T.copy(K[k_start + key0 : k_start + key0 + block_M, by // groups, :], K_shared)
-                T.copy(V[k_start + key0 : k_start + key0 + block_M, by // groups, :], V_shared)
+                stats0 = stats_start(q_offset, bz)  # 16-byte aligned: where TMA boxes start
+                T.copy(K[k_offset + key0 : k_offset + key0 + block_M, by // groups, :], K_shared)
+                T.copy(V[k_offset + key0 : k_offset + key0 + block_M, by // groups, :], V_shared)
                 T.clear(dk)
                 T.clear(dv)
 
@@ -374,20 +374,20 @@ def flashattn_bwd_varlen(
                 # a mask when it crosses seq_len_q, when this key block crosses seq_len_k, or
                 # (causal) when some of its queries precede some of the keys (query i sees key
                 # j iff i >= j - offset).
-                loop_st = 0
+                q_start = 0
                 if causal:
-                    loop_st = T.max(0, key0 - offset) // block_N
-                loop_ed = T.ceildiv(seq_len_q, block_N)
+                    q_start = T.max(0, key0 - offset) // block_N
+                q_end = T.ceildiv(seq_len_q, block_N)
                 # From this query block on, every query sees every key of the block.
-                first_unmasked = loop_st
+                first_unmasked = q_start
                 if causal:
                     first_unmasked = T.ceildiv(T.max(0, key0 + block_M - 1 - offset), block_N)
                 key_tail = key0 + block_M > seq_len_k
 
                 # Never empty (the last query of a sequence sees every key of it), so the
                 # consumers always wait for the K/V tiles' TMA loads inside the loop.
-                for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
-                    q0 = q_start + k * block_N  # first packed row of this query block
+                for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
+                    q0 = q_offset + k * block_N  # first packed row of this query block
                     T.copy(Q[q0 : q0 + block_N, by, :], Q_shared)
                     T.gemm(
                         K_shared,
@@ -444,7 +444,7 @@ def flashattn_bwd_varlen(
 
                 # One regional atomic per tile, from registers (vectorized, bounds-checked
                 # rows): the group's query heads meet in the same dK/dV.
-                kv0 = k_start + key0
+                kv0 = k_offset + key0
                 T.atomic_add(dV[kv0 : kv0 + block_M, by // groups, :], dv)
                 T.atomic_add(dK[kv0 : kv0 + block_M, by // groups, :], dk)
 

@@ -128,10 +128,10 @@ def flashattn_fwd_varlen(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            q_start = cu_seqlens_q[bz]
-            k_start = cu_seqlens_k[bz]
-            seq_len_q = cu_seqlens_q[bz + 1] - q_start
-            seq_len_k = cu_seqlens_k[bz + 1] - k_start
+            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+            k_offset = cu_seqlens_k[bz]  # and of its keys
+            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
             offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
 
             # The grid is sized for the longest sequence: blocks past this one's end leave at
@@ -144,7 +144,7 @@ def flashattn_fwd_varlen(
 
                 # Rows past the sequence end belong to the next sequence (or read as zeros past
                 # total_q): they are computed and thrown away, never stored.
-                T.copy(Q[q_start + row0 : q_start + row0 + block_M, by, :], Q_shared)
+                T.copy(Q[q_offset + row0 : q_offset + row0 + block_M, by, :], Q_shared)
                 T.fill(acc_o, 0)
                 T.fill(logsum, 0)
                 T.fill(scores_max, neg_inf)
@@ -165,7 +165,7 @@ def flashattn_fwd_varlen(
                 n_blocks = T.max(1, n_blocks)
 
                 for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                    kv0 = k_start + k * block_N
+                    kv0 = k_offset + k * block_N
                     T.copy(K[kv0 : kv0 + block_N, by // groups, :], K_shared)
                     T.gemm(
                         Q_shared,
@@ -212,14 +212,14 @@ def flashattn_fwd_varlen(
                 # (a TMA box would overwrite the next sequence's first rows).
                 T.copy(acc_o, O_shared)
                 if row0 + block_M <= seq_len_q:
-                    T.copy(O_shared, Output[q_start + row0 : q_start + row0 + block_M, by, :])
+                    T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
                 else:
                     for i, j in T.Parallel(block_M, dim):
                         if row0 + i < seq_len_q:
-                            Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                            Output[q_offset + row0 + i, by, j] = O_shared[i, j]
                 for i in T.Parallel(block_M):
                     if row0 + i < seq_len_q:
-                        lse[by, q_start + row0 + i] = T.if_then_else(
+                        lse[by, q_offset + row0 + i] = T.if_then_else(
                             logsum[i] > 0,
                             (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
                             T.infinity(accum_dtype),

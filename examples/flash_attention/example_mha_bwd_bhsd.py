@@ -286,9 +286,10 @@ def flashattn_bwd(
             q_start = 0
             if causal:
                 q_start = T.max(0, bx * block_M - offset) // block_N
+            q_end = T.ceildiv(seq_q, block_N)
             key_tail = (bx + 1) * block_M > seq_kv
 
-            for k in T.Pipelined(q_start, T.ceildiv(seq_q, block_N), num_stages=num_stages):
+            for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
                 T.copy(Q[bz, by, k * block_N : (k + 1) * block_N, :], Q_shared)
                 T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
                 T.gemm(

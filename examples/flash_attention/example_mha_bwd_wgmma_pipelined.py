@@ -359,7 +359,8 @@ def flash_bwd(
             q_start = 0
             if causal:
                 q_start = T.max(0, bx * block_M - offset) // block_N
-            n_steps = seq_q_pad // block_N - q_start
+            q_end = seq_q_pad // block_N
+            n_steps = q_end - q_start
             tx = T.get_thread_binding()
 
             if tx >= consumers:

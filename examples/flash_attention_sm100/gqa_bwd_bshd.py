@@ -279,13 +279,14 @@ def flashattn_bwd(
             kv_head = by // groups
             T.copy(K[bz, bx * block_M : (bx + 1) * block_M, kv_head, :], K_shared)
             T.copy(V[bz, bx * block_M : (bx + 1) * block_M, kv_head, :], V_shared)
-            q_first = 0
+            q_start = 0
             if causal:  # query i sees key j when i >= j - offset
-                q_first = T.max(0, (bx * block_M - offset) // block_N)
-            n_steps = T.max(0, T.ceildiv(seq_q, block_N) - q_first)
+                q_start = T.max(0, (bx * block_M - offset) // block_N)
+            q_end = T.ceildiv(seq_q, block_N)
+            n_steps = T.max(0, q_end - q_start)
 
             for step in T.serial(n_steps):
-                q0 = (q_first + step) * block_N
+                q0 = (q_start + step) * block_N
                 T.copy(Q[bz, q0 : q0 + block_N, by, :], Q_shared)
                 T.copy(dO[bz, q0 : q0 + block_N, by, :], dO_shared)
                 T.copy(lse[bz, by, q0 : q0 + block_N], lse_shared)
