@@ -124,7 +124,7 @@ def backward_shape(fast, plain, B, H, S, D, causal, dtype_name):
     scale = D**-0.5
     peers_fwd_bwd, peers = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
     ref = peers["sdpa_cudnn"]()
-    fast_fwd = fast.fwd.attention(q, k, v, causal, scale, return_lse=True)
+    fast_fwd = fast.attention_forward(q, k, v, causal, scale)
     plain_fwd = plain.attention_forward(q, k, v, causal, scale)
     ours = {
         "tilelang": lambda: fast.attention_backward(dout, q, k, v, *fast_fwd, causal, scale),

@@ -27,6 +27,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+# What --tune does, in every script that has a tune space (docs/CONVENTIONS.md, "Command line").
+TUNE_HELP = (
+    "benchmark every entry of the script's tune_configs side by side in one run (one report), "
+    "then check the fastest"
+)
+
+
 def base_parser(
     description: str,
     *,
@@ -34,10 +41,11 @@ def base_parser(
     dims: tuple[int, ...] | None = None,
     dim: int = 128,
     seq_len: int = 4096,
+    tune: bool = True,
 ) -> argparse.ArgumentParser:
     """The flags every attention script shares (docs/CONVENTIONS.md, "Command line").
     ``archs``: the targets the script builds for (the first is the default); ``dims``: the head
-    dims it supports."""
+    dims it supports; ``tune``: whether it has a ``tune_configs`` space (else no ``--tune``)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--batch", type=positive_int, default=4)
     p.add_argument("--heads", type=positive_int, default=32)
@@ -56,7 +64,8 @@ def base_parser(
         help="build every kernel for --arch and print a summary; needs no GPU",
     )
     p.add_argument("--arch", choices=archs, default=archs[0], help="target for --compile-only")
-    p.add_argument("--tune", action="store_true", help="autotune the tile configuration")
+    if tune:
+        p.add_argument("--tune", action="store_true", help=TUNE_HELP)
     return p
 
 
@@ -229,6 +238,11 @@ def report(title: str, ours: dict, peers: dict, flops: float, rounds: int = 3) -
         tag = f"{r['ratio_to_best_peer']:5.2f}x best peer" if r["ours"] and has_peer else ""
         print(f"  {r['impl']:<26} {r['ms']:8.3f} ms {r['tflops']:8.1f} TFLOP/s  {tag}")
     return rows
+
+
+def fastest(rows: list[dict]) -> str:
+    """``--tune``'s pick: the name of the fastest of our rows in a ``report``."""
+    return min((r for r in rows if r["ours"]), key=lambda r: r["ms"])["impl"]
 
 
 # ----------------------------------------------------------------------------- backward scripts

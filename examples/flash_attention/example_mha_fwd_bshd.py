@@ -371,7 +371,7 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
 
 
 def tune_configs(dim):
-    """The small space ``--tune`` searches (64 query rows per consumer warpgroup). D=256 keeps
+    """The small space ``--tune`` compares (64 query rows per consumer warpgroup). D=256 keeps
     to two consumer warpgroups and 64 or 80 keys (shared memory); D=128 to two warpgroups (with
     a third, 512 threads, ptxas gets 128 registers a thread and spills 324 bytes)."""
     if dim > 128:
@@ -479,31 +479,6 @@ def ref_program(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     return (out, lse) if return_lse else out
 
 
-def tune(q, k, v, causal, softmax_scale):
-    """Run TileLang's autotuner over ``tune_configs`` on these inputs; return the best config."""
-    from tilelang.autotuner import AutoTuner
-
-    B, Sq, H, D = q.shape
-    Sk = k.shape[1]
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-
-    def program(block_M, block_N, num_stages):
-        cfg = dict(block_M=block_M, block_N=block_N, num_stages=num_stages, num_sms=num_sms)
-        return flashattn_fwd.get_tir(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
-
-    tuner = AutoTuner.from_kernel(kernel=program, configs=tune_configs(D))
-    tuner.set_compile_args(pass_configs=PASS_CONFIGS)
-    # Correctness of the winner is checked by main's own check, against ref_program.
-    tuner.set_profile_args(supply_prog=lambda _: [q, k, v, out, lse], skip_check=True)
-    result = tuner.run(warmup=10, rep=50)
-    print(f"tuned: {result.config} at {result.latency:.3f} ms")
-    return result.config
-
-
 # ----------------------------------------------------------------------------- main
 def _harness():
     """examples/harness.py: flags, checks, timing and peers shared by every script."""
@@ -516,6 +491,10 @@ def _harness():
 def build_parser():
     parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS)
     return parser
+
+
+def _config_name(cfg):
+    return "{block_M}x{block_N}/{num_stages}st".format(**cfg)
 
 
 def main(argv=None):
@@ -542,9 +521,23 @@ def main(argv=None):
     k = torch.randn(B, Sk, H, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Sk, H, D, device="cuda", dtype=dtype)
 
+    def benchmark(configs):
+        """Ours, one row per entry of ``configs`` (name → config), beside the peers."""
+        ours = {
+            name: lambda c=cfg: attention(q, k, v, args.causal, scale, config=c)
+            for name, cfg in configs.items()
+        }
+        flops = harness.attention_flops(B, H, Sq, Sk, D, D, args.causal)
+        peers = harness.sdpa_peers(q, k, v, args.causal, scale)
+        title = f"forward B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}"
+        return harness.report(title, ours, peers, flops)
+
     config = None
     if args.tune:
-        config = tune(q, k, v, args.causal, scale)
+        # Every tune_configs entry side by side in one report; the fastest is checked.
+        named = {"tilelang " + _config_name(c): c for c in tune_configs(D)}
+        config = named[harness.fastest(benchmark(named))]
+        print(f"tuned: {config}")
 
     if args.check:
         out, lse = attention(q, k, v, args.causal, scale, return_lse=True, config=config)
@@ -553,12 +546,8 @@ def main(argv=None):
         harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
-    if args.bench:
-        flops = harness.attention_flops(B, H, Sq, Sk, D, D, args.causal)
-        ours = {"tilelang": lambda: attention(q, k, v, args.causal, scale, config=config)}
-        peers = harness.sdpa_peers(q, k, v, args.causal, scale)
-        title = f"forward B{B} H{H} Sq{Sq} Sk{Sk} D{D} causal={args.causal} {args.dtype}"
-        harness.report(title, ours, peers, flops)
+    if args.bench and not args.tune:
+        benchmark({"tilelang": config})
 
 
 if __name__ == "__main__":

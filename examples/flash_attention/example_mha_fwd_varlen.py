@@ -121,10 +121,10 @@ def flashattn_fwd_varlen(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            q_start = cu_seqlens_q[bz]
-            k_start = cu_seqlens_k[bz]
-            seq_len_q = cu_seqlens_q[bz + 1] - q_start
-            seq_len_k = cu_seqlens_k[bz + 1] - k_start
+            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+            k_offset = cu_seqlens_k[bz]  # and of its keys
+            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
             offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
 
             # The grid is sized for the longest sequence: blocks past this one's end leave at
@@ -137,7 +137,7 @@ def flashattn_fwd_varlen(
 
                 # Rows past the sequence end belong to the next sequence (or read as zeros past
                 # total_q): they are computed and thrown away, never stored.
-                T.copy(Q[q_start + row0 : q_start + row0 + block_M, by, :], Q_shared)
+                T.copy(Q[q_offset + row0 : q_offset + row0 + block_M, by, :], Q_shared)
                 T.fill(acc_o, 0)
                 T.fill(logsum, 0)
                 T.fill(scores_max, neg_inf)
@@ -158,7 +158,7 @@ def flashattn_fwd_varlen(
                 n_blocks = T.max(1, n_blocks)
 
                 for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                    kv0 = k_start + k * block_N
+                    kv0 = k_offset + k * block_N
                     T.copy(K[kv0 : kv0 + block_N, by, :], K_shared)
                     T.gemm(
                         Q_shared,
@@ -205,14 +205,14 @@ def flashattn_fwd_varlen(
                 # (a TMA box would overwrite the next sequence's first rows).
                 T.copy(acc_o, O_shared)
                 if row0 + block_M <= seq_len_q:
-                    T.copy(O_shared, Output[q_start + row0 : q_start + row0 + block_M, by, :])
+                    T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
                 else:
                     for i, j in T.Parallel(block_M, dim):
                         if row0 + i < seq_len_q:
-                            Output[q_start + row0 + i, by, j] = O_shared[i, j]
+                            Output[q_offset + row0 + i, by, j] = O_shared[i, j]
                 for i in T.Parallel(block_M):
                     if row0 + i < seq_len_q:
-                        lse[by, q_start + row0 + i] = T.if_then_else(
+                        lse[by, q_offset + row0 + i] = T.if_then_else(
                             logsum[i] > 0,
                             (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
                             T.infinity(accum_dtype),
@@ -238,7 +238,7 @@ def default_config(dim, arch="sm_90a"):
 
 
 def tune_configs():
-    """The space ``--tune`` searches: 64 query rows per consumer warpgroup."""
+    """The space ``--tune`` compares: 64 query rows per consumer warpgroup."""
     return [
         dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
         for bm, th in ((128, 256), (192, 384))
@@ -463,29 +463,6 @@ def ref_padded(q, k, v, query_mask, key_mask, causal=False, softmax_scale=None):
     return out.to(q.dtype)
 
 
-def tune(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
-    """Run TileLang's autotuner over ``tune_configs`` on this batch; return the best config."""
-    from tilelang.autotuner import AutoTuner
-
-    H, D = q.shape[1:]
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-    out = torch.empty_like(q)
-    lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
-
-    def program(block_M, block_N, num_stages, threads):
-        cfg = dict(block_M=block_M, block_N=block_N, num_stages=num_stages, threads=threads)
-        return flashattn_fwd_varlen.get_tir(H, D, causal, softmax_scale, dtype, **cfg)
-
-    tuner = AutoTuner.from_kernel(kernel=program, configs=tune_configs())
-    tuner.set_compile_args(pass_configs=PASS_CONFIGS)
-    # Correctness of the winner is checked by main's own check, against the references.
-    args = [q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse]
-    tuner.set_profile_args(supply_prog=lambda _: args, skip_check=True)
-    result = tuner.run(warmup=10, rep=50)
-    print(f"tuned: {result.config} at {result.latency:.3f} ms")
-    return result.config
-
-
 # ----------------------------------------------------------------------------- main
 def _harness():
     """examples/harness.py: flags, checks, timing and peers shared by every script."""
@@ -538,6 +515,10 @@ def padded_batch(batch, max_q, max_k, heads, heads_kv, dim, dtype, distinct_k, s
     return [t.to("cuda", dtype) for t in (q, k, v)], mask_q.cuda(), mask_k.cuda()
 
 
+def _config_name(cfg):
+    return "{block_M}x{block_N}/{num_stages}st/{threads}t".format(**cfg)
+
+
 def main(argv=None):
     harness = _harness()
     args = build_parser().parse_args(argv)
@@ -571,9 +552,26 @@ def main(argv=None):
     print(f"B{B} H{H} D{D} causal={args.causal} {args.dtype}: {q.shape[0]} query tokens")
     print(f"  query lengths {lengths}")
 
+    def benchmark(configs):
+        """Ours, one row per entry of ``configs`` (name → config), beside the peers."""
+        ours = {
+            name: lambda c=cfg: attention_varlen(*varlen, args.causal, scale, config=c)
+            for name, cfg in configs.items()
+        }
+        flops = harness.varlen_flops(cu_seqlens_q, cu_seqlens_k, H, D, D, args.causal)
+        peers = {}
+        fa3 = harness.fa3_varlen_forward()
+        if fa3 is not None and dtype == torch.bfloat16:
+            peers["fa3 varlen"] = lambda: fa3(*varlen, softmax_scale=scale, causal=args.causal)
+        title = f"varlen forward B{B} H{H} max {Sq}/{Sk} D{D} causal={args.causal} {args.dtype}"
+        return harness.report(title, ours, peers, flops)
+
     config = None
     if args.tune:
-        config = tune(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, args.causal, scale)
+        # Every tune_configs entry side by side in one report; the fastest is checked.
+        named = {"tilelang varlen " + _config_name(c): c for c in tune_configs()}
+        config = named[harness.fastest(benchmark(named))]
+        print(f"tuned: {config}")
 
     if args.check:
         out, lse = attention_varlen(*varlen, args.causal, scale, return_lse=True, config=config)
@@ -584,17 +582,8 @@ def main(argv=None):
         harness.check_close("out", out_pad, ref, rtol=1e-2)  # fp16/bf16 forward
         harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
 
-    if args.bench:
-        flops = harness.varlen_flops(cu_seqlens_q, cu_seqlens_k, H, D, D, args.causal)
-        ours = {
-            "tilelang varlen": lambda: attention_varlen(*varlen, args.causal, scale, config=config)
-        }
-        peers = {}
-        fa3 = harness.fa3_varlen_forward()
-        if fa3 is not None and dtype == torch.bfloat16:
-            peers["fa3 varlen"] = lambda: fa3(*varlen, softmax_scale=scale, causal=args.causal)
-        title = f"varlen forward B{B} H{H} max {Sq}/{Sk} D{D} causal={args.causal} {args.dtype}"
-        harness.report(title, ours, peers, flops)
+    if args.bench and not args.tune:
+        benchmark({"tilelang varlen": config})
 
 
 if __name__ == "__main__":

@@ -279,13 +279,14 @@ def flashattn_bwd(
             kv_head = by // groups
             T.copy(K[bz, bx * block_M : (bx + 1) * block_M, kv_head, :], K_shared)
             T.copy(V[bz, bx * block_M : (bx + 1) * block_M, kv_head, :], V_shared)
-            q_first = 0
+            q_start = 0
             if causal:  # query i sees key j when i >= j - offset
-                q_first = T.max(0, (bx * block_M - offset) // block_N)
-            n_steps = T.max(0, T.ceildiv(seq_q, block_N) - q_first)
+                q_start = T.max(0, (bx * block_M - offset) // block_N)
+            q_end = T.ceildiv(seq_q, block_N)
+            n_steps = T.max(0, q_end - q_start)
 
             for step in T.serial(n_steps):
-                q0 = (q_first + step) * block_N
+                q0 = (q_start + step) * block_N
                 T.copy(Q[bz, q0 : q0 + block_N, by, :], Q_shared)
                 T.copy(dO[bz, q0 : q0 + block_N, by, :], dO_shared)
                 T.copy(lse[bz, by, q0 : q0 + block_N], lse_shared)
@@ -435,41 +436,64 @@ def _check_inputs(q, k, v, causal, softmax_scale):
 _kernels = {}
 
 
-class _FlashAttention(torch.autograd.Function):
+def dtype_name(t):
+    return "float16" if t.dtype == torch.float16 else "bfloat16"
+
+
+def kernels_for(q, k, causal, softmax_scale):
+    """The forward and backward kernels for these inputs, built on first use."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype_name(q))
+    if args not in _kernels:
+        _kernels[args] = build_kernels(args)
+    return _kernels[args]
+
+
+def attention_forward(q, k, v, causal, softmax_scale):
+    """Forward kernel alone: ``out [B, Sq, H, D]`` and ``lse [B, H, Sq]`` (float32, natural log)."""
+    B, Sq, H, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if k.shape[1] == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        kernels_for(q, k, causal, softmax_scale)[0](q, k, v, out, lse)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale):
+    """The backward kernel: returns ``dq, dk, dv`` in the input dtype."""
+    if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
+    # delta_i = Σ_d dO·O: the row term of softmax's backward, [B, H, Sq] in float32.
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    # Float32 accumulators, filled by atomic adds from every block that touches them.
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    kernels_for(q, k, causal, softmax_scale)[1](q, k, v, dout, lse, delta, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """Forward saves (q, k, v, out, lse); backward runs the TCGEN05 backward kernel."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale):
-        B, Sq, H, D = q.shape
-        Sk, Hkv = k.shape[1], k.shape[2]
-        dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-        args = (B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        out = torch.empty_like(q)
-        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
-            out.zero_()
-            lse.fill_(math.inf)
-        elif out.numel() > 0:
-            if args not in _kernels:
-                _kernels[args] = build_kernels(args)
-            _kernels[args][0](q, k, v, out, lse)
+        out, lse = attention_forward(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = args
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
-        dout = dout.contiguous()
-        # delta_i = Σ_d dO·O: the row term of softmax's backward, [B, H, Sq] in float32.
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-        # Float32 accumulators, filled by atomic adds from every block that touches them.
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        _kernels[ctx.args][1](q, k, v, dout, lse, delta, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+        return dq, dk, dv, None, None
 
 
 def attention(q, k, v, causal=False, softmax_scale=None):
@@ -478,7 +502,7 @@ def attention(q, k, v, causal=False, softmax_scale=None):
     _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, bool(causal), float(softmax_scale))
+    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale))
 
 
 # ----------------------------------------------------------------------------- reference
@@ -512,8 +536,9 @@ def _harness():
 
 
 def build_parser():
+    # No --tune: the SM100 kernels have one set of tiles, no tune_configs to compare.
     parser = _harness().base_parser(
-        __doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS, seq_len=2048
+        __doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS, seq_len=2048, tune=False
     )
     parser.add_argument("--groups", type=int, default=4, help="query heads per kv head")
     return parser
@@ -541,8 +566,6 @@ def main(argv=None):
         return
 
     harness.require_gpu(script, arch="sm_100a", capability=(10, 0))
-    if args.tune:
-        print("--tune: no search space for the SM100 kernels yet; using the default tiles")
     dtype = harness.DTYPES[args.dtype]
     torch.manual_seed(0)
     q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, requires_grad=True)
