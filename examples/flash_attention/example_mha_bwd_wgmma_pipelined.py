@@ -70,9 +70,18 @@ Head dims 64 and 128; fp16 and bf16; any Sq, Sk (an empty sequence launches noth
 aligned bottom-right (query ``i`` sees key ``j`` when ``j <= i + Sk − Sq``; rows that see no key
 get ``O = 0`` and ``dQ = 0``).
 
-API: ``attention(q, k, v, causal=False, softmax_scale=None, config=None)`` → ``out``,
-differentiable (``torch.autograd``); ``softmax_scale`` defaults to ``1/sqrt(D)``; ``config``
-overrides the backward tiles (``default_config``).
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, causal=False, softmax_scale=None, config=None)
+
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (batch, seqlen_k, nheads, headdim), same dtype and device.
+    causal: bool. Apply the causal mask (aligned bottom-right, above).
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, dq_stages);
+        default ``default_config``.
+    Returns out: (batch, seqlen_q, nheads, headdim), differentiable
+        (``torch.autograd``): its backward runs the three backward kernels above.
 
 Run:
     python examples/flash_attention/example_mha_bwd_wgmma_pipelined.py --causal
