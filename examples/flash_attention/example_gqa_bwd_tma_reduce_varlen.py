@@ -115,6 +115,84 @@ def flashattn_fwd_varlen(
     # backward's TMA loads need.
     stats_len = T.dynamic("stats_len")
 
+    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated CUDA
+    # is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(K, kv0, kv_head, Q_shared, K_shared, acc_s):
+        # S = Q Kᵀ of the key block starting at packed row kv0.
+        T.copy(K[kv0 : kv0 + block_N, kv_head, :], K_shared)
+        T.gemm(
+            Q_shared,
+            K_shared,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def mask(k, first_masked, row0, seq_len_k, offset, acc_s):
+        if k >= first_masked:
+            # Keys past seq_len_k are the next sequence's: never let them in.
+            for i, j in T.Parallel(block_M, block_N):
+                key = k * block_N + j
+                visible = key < seq_len_k
+                if causal:
+                    visible = visible and key <= row0 + i + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        # Online softmax: new row max, rescale what was accumulated under the old.
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # A row that has seen no visible key yet keeps max = -inf; using 0
+            # instead makes exp2 give 0 rather than NaN (-inf - -inf).
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def pv(V, kv0, kv_head, V_shared, acc_s_cast, acc_o):
+        # O += P V of the key block starting at packed row kv0.
+        T.copy(V[kv0 : kv0 + block_N, kv_head, :], V_shared)
+        T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def epilogue(
+        acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, lse_start, row0, seq_len_q, by
+    ):
+        # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        # Through shared memory. A block wholly inside the sequence leaves by one TMA
+        # store; the sequence's last, partial block by a guarded store of its own rows
+        # (a TMA box would overwrite the next sequence's first rows).
+        T.copy(acc_o, O_shared)
+        if row0 + block_M <= seq_len_q:
+            T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
+        else:
+            for i, j in T.Parallel(block_M, dim):
+                if row0 + i < seq_len_q:
+                    Output[q_offset + row0 + i, by, j] = O_shared[i, j]
+        for i in T.Parallel(block_M):
+            if row0 + i < seq_len_q:
+                lse[by, lse_start + row0 + i] = T.if_then_else(
+                    logsum[i] > 0,
+                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                    T.infinity(accum_dtype),
+                )
+
     @T.prim_func
     def flash_fwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
@@ -183,64 +261,17 @@ def flashattn_fwd_varlen(
 
                 for k in T.Pipelined(n_blocks, num_stages=num_stages):
                     kv0 = k_offset + k * block_N
-                    T.copy(K[kv0 : kv0 + block_N, by // groups, :], K_shared)
-                    T.gemm(
-                        Q_shared,
-                        K_shared,
-                        acc_s,
-                        transpose_B=True,
-                        clear_accum=True,
-                        policy=T.GemmWarpPolicy.FullRow,
-                    )
-                    if k >= first_masked:
-                        # Keys past seq_len_k are the next sequence's: never let them in.
-                        for i, j in T.Parallel(block_M, block_N):
-                            key = k * block_N + j
-                            visible = key < seq_len_k
-                            if causal:
-                                visible = visible and key <= row0 + i + offset
-                            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-                    # Online softmax: new row max, rescale what was accumulated under the old.
-                    T.copy(scores_max, scores_max_prev)
-                    T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                    for i in T.Parallel(block_M):
-                        # A row that has seen no visible key yet keeps max = -inf; using 0
-                        # instead makes exp2 give 0 rather than NaN (-inf - -inf).
-                        scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                        scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                    T.reduce_sum(acc_s, scores_sum, dim=1)
-                    for i in T.Parallel(block_M):
-                        logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                    scores(K, kv0, by // groups, Q_shared, K_shared, acc_s)
+                    mask(k, first_masked, row0, seq_len_k, offset, acc_s)
+                    softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                     T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of the second GEMM
-                    for i, j in T.Parallel(block_M, dim):
-                        acc_o[i, j] *= scores_scale[i]
+                    rescale(acc_o, scores_scale)
+                    pv(V, kv0, by // groups, V_shared, acc_s_cast, acc_o)
 
-                    T.copy(V[kv0 : kv0 + block_N, by // groups, :], V_shared)
-                    T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-                # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-                # Through shared memory. A block wholly inside the sequence leaves by one TMA
-                # store; the sequence's last, partial block by a guarded store of its own rows
-                # (a TMA box would overwrite the next sequence's first rows).
-                T.copy(acc_o, O_shared)
-                if row0 + block_M <= seq_len_q:
-                    T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
-                else:
-                    for i, j in T.Parallel(block_M, dim):
-                        if row0 + i < seq_len_q:
-                            Output[q_offset + row0 + i, by, j] = O_shared[i, j]
-                for i in T.Parallel(block_M):
-                    if row0 + i < seq_len_q:
-                        lse[by, lse_start + row0 + i] = T.if_then_else(
-                            logsum[i] > 0,
-                            (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                            T.infinity(accum_dtype),
-                        )
+                epilogue(
+                    acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, lse_start, row0,
+                    seq_len_q, by,
+                )  # fmt: skip
 
     return flash_fwd_varlen
 
