@@ -96,6 +96,71 @@ def flashattn_fwd(
     q_shape = [batch, heads, seq_q, dim]
     kv_shape = [batch, heads, seq_kv, dim]
 
+    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(Q_shared, K_shared, acc_s):
+        # S = Q Kᵀ of one key block.
+        T.gemm(
+            Q_shared,
+            K_shared,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def mask(k, first_masked, bx, acc_s):
+        if k >= first_masked:
+            for i, j in T.Parallel(block_M, block_N):
+                key = k * block_N + j
+                visible = key < seq_kv
+                if causal:
+                    visible = visible and key <= bx * block_M + i + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        # Online softmax: new row max, and the factor that rescales what came before.
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # max = -inf (no visible key yet) becomes 0 so exp2 gives 0, not NaN
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def pv(acc_s_cast, V_shared, acc_o):
+        # O += P V of one key block.
+        T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz):
+        # Rows with no visible key (logsum = 0): O = 0 and lse = +inf, so that the backward's
+        # exp(s - lse) is 0 for them.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        T.copy(acc_o, O_shared)
+        T.copy(O_shared, Output[bz, by, bx * block_M : (bx + 1) * block_M, :])
+        for i in T.Parallel(block_M):
+            if bx * block_M + i < seq_q:
+                lse[bz, by, bx * block_M + i] = T.if_then_else(
+                    logsum[i] > 0,
+                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                    T.infinity(accum_dtype),
+                )
+
     @T.prim_func
     def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
@@ -137,53 +202,16 @@ def flashattn_fwd(
 
             for k in T.Pipelined(n_blocks, num_stages=num_stages):
                 T.copy(K[bz, by, k * block_N : (k + 1) * block_N, :], K_shared)
-                T.gemm(
-                    Q_shared,
-                    K_shared,
-                    acc_s,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                if k >= first_masked:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = k * block_N + j
-                        visible = key < seq_kv
-                        if causal:
-                            visible = visible and key <= bx * block_M + i + offset
-                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-                T.copy(scores_max, scores_max_prev)
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    # max = -inf (no visible key yet) becomes 0 so exp2 gives 0, not NaN
-                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                scores(Q_shared, K_shared, acc_s)
+                mask(k, first_masked, bx, acc_s)
+                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 T.copy(acc_s, acc_s_cast)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
+                rescale(acc_o, scores_scale)
 
                 T.copy(V[bz, by, k * block_N : (k + 1) * block_N, :], V_shared)
-                T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                pv(acc_s_cast, V_shared, acc_o)
 
-            # Rows with no visible key (logsum = 0): O = 0 and lse = +inf, so that the backward's
-            # exp(s - lse) is 0 for them.
-            for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-            T.copy(acc_o, O_shared)
-            T.copy(O_shared, Output[bz, by, bx * block_M : (bx + 1) * block_M, :])
-            for i in T.Parallel(block_M):
-                if bx * block_M + i < seq_q:
-                    lse[bz, by, bx * block_M + i] = T.if_then_else(
-                        logsum[i] > 0,
-                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                        T.infinity(accum_dtype),
-                    )
+            epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz)
 
     return flash_fwd
 
