@@ -135,6 +135,16 @@ def bulk_reduce_add(dst, src, count):
     T.call_extern("handle", "tl::tma_store_add", T.address_of(src), T.address_of(dst), count * 4)
 
 
+def dq_split(dim, block_N):
+    """How the two consumer warpgroups split a step's dQᵀ tile ([dim, block_N]): dQᵀ = Kᵀ dSᵀ
+    needs every key of the block, so they split its output instead — halves of the head dim
+    (the GEMM's M, at least 64) or, for D = 64, halves of the queries. Returns (split_dim,
+    rows, cols): whether the head dim is split, and each warpgroup's part. The backward and
+    the postprocess both read it from here, so they agree on the tile's order."""
+    split_dim = dim >= 128
+    return split_dim, (dim // 2 if split_dim else dim), (block_N if split_dim else block_N // 2)
+
+
 def padded_len(seq_q, block_N):
     """Length of the padded ``lse``/``delta`` rows: whole query blocks."""
     return (seq_q + block_N - 1) // block_N * block_N
@@ -211,11 +221,7 @@ def flash_bwd(
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
-    # dQᵀ = Kᵀ dSᵀ needs every key of the block, so the warpgroups split its output instead:
-    # halves of the head dim (the GEMM's M, at least 64) or, for D = 64, halves of the queries.
-    dq_split_dim = dim >= 128
-    dq_rows = dim // 2 if dq_split_dim else dim
-    dq_cols = block_N if dq_split_dim else block_N // 2
+    dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
     @T.macro
@@ -470,9 +476,7 @@ def flash_bwd_post(batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="fl
     block of ``block`` (the backward's ``block_N``), the float32 dQᵀ tile in the order the
     backward's two consumer warpgroups stored it (``accumulator_index``)."""
     accum_dtype = "float32"
-    dq_split_dim = dim >= 128  # the backward's split: halves of D, or halves of the queries
-    dq_rows = dim // 2 if dq_split_dim else dim
-    dq_cols = block if dq_split_dim else block // 2
+    dq_split_dim, dq_rows, dq_cols = dq_split(dim, block)
     half = dq_rows * dq_cols
 
     @T.prim_func
