@@ -1,4 +1,4 @@
-"""GQA backward scripts (example_gqa_bwd.py with --strategy atomic/split, and
+"""GQA backward scripts (example_gqa_bwd.py with --strategy group/atomic/split, and
 example_gqa_bwd_tma_reduce.py): references, command lines, sm_90a builds and their generated code,
 bad input (CPU), and the gradient matrix on a GPU (marker ``gpu``)."""
 
@@ -16,7 +16,7 @@ GQA_BWD = "flash_attention/example_gqa_bwd.py"
 TMA_BWD = "flash_attention/example_gqa_bwd_tma_reduce.py"
 SCRIPTS = [GQA_BWD, TMA_BWD]
 # (script, strategy) for everything that runs a backward; the TMA script has one way only.
-VARIANTS = [(GQA_BWD, "atomic"), (GQA_BWD, "split"), (TMA_BWD, None)]
+VARIANTS = [(GQA_BWD, "group"), (GQA_BWD, "atomic"), (GQA_BWD, "split"), (TMA_BWD, None)]
 
 
 def run_attention(mod, strategy, *args, **kwargs):
@@ -113,12 +113,34 @@ def test_flags(script):
 
 
 def test_strategy_choices():
-    parser = load_script(GQA_BWD).build_parser()
-    assert parser.parse_args([]).strategy == "atomic"
+    mod = load_script(GQA_BWD)
+    parser = mod.build_parser()
+    assert parser.parse_args([]).strategy is None  # default_strategy decides
     assert parser.parse_args(["--strategy", "split"]).strategy == "split"
+    assert parser.parse_args(["--strategy", "group"]).strategy == "group"
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy", "sum"])  # an unknown value is an argparse error
     assert "--strategy" not in load_script(TMA_BWD).build_parser().format_help()
+
+
+def test_default_strategy():
+    """The hand-scheduled backward where it builds (Hopper, 64/64 and 128/128), else atomic."""
+    pick = load_script(GQA_BWD).default_strategy
+    assert pick(64, 64) == pick(128, 128) == "group"
+    assert pick(192, 128) == "atomic"
+    assert pick(128, 128, "sm_100a") == "atomic"
+
+
+def test_group_strategy_code():
+    """group: one thread block walks every query head of its group, so dK/dV leave by plain
+    stores (no atomics at all); dQ by one bulk reduce-add per step, at the step's query head."""
+    mod = load_script(GQA_BWD)
+    src = mod.compile_all(2, 8, 2, 1000, 1000, 128, 128, True, "bfloat16", "group", "sm_90a")
+    bwd = src["flash_bwd"]
+    assert "atomicAdd" not in bwd and "AtomicAdd" not in bwd
+    assert bwd.count("tl::tma_store_add(") == 1 and "wgmma" in bwd
+    # kv head blockIdx.y, group of 4 query heads: the step's head is blockIdx.y * 4 + i / n.
+    assert re.search(r"blockIdx\.y\) \* 4\) \+ \(i_\d+ / ", bwd)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -264,6 +286,8 @@ def _bad_inputs(script):
     ]
     if script == GQA_BWD:
         cases.append(("unknown strategy", q, k, v, {"strategy": "sum"}, "strategy"))
+        group_192 = ("group at 192/128", *v192[:3], {"strategy": "group"}, "strategy 'group'")
+        cases.append(group_192)
     return cases
 
 
@@ -280,9 +304,10 @@ def test_bad_input_raises_value_error_naming_argument(script):
 # (B, H, Hkv, Sq, Sk, Dqk, Dv, causal, dtype, input scale). Ragged S (17, 255, 1000) exercise the
 # 8-row padding of the dq_layout accumulator and every bounds check; groups 1/2/4/8; Sq < Sk and
 # Sq > Sk (rows with no key) causal; ×10 inputs for large logits. Each row runs for all three
-# variants: dQ of the atomic/split kernels goes through layout-annotated atomics, dK/dV of the
-# atomic kernel and the TMA kernel through regional (vectorized) atomics — a vectorization that
-# ignored a layout would show as a dQ error on every row.
+# variants (group: where it builds, 64/64 and 128/128): dQ of the atomic/split kernels goes
+# through layout-annotated atomics, dK/dV of the atomic kernel and the TMA kernel through
+# regional (vectorized) atomics — a vectorization that ignored a layout would show as a dQ error
+# on every row; the group kernel walks a group's heads in one thread block.
 GPU_CASES = [
     (1, 8, 8, 17, 17, 64, 64, False, torch.float16, 1),
     (2, 8, 4, 255, 255, 128, 128, True, torch.bfloat16, 1),
@@ -303,9 +328,16 @@ def _case_id(case):
     return tag + f"-{str(dtype)[6:]}" + (f"-x{scale}" if scale != 1 else "")
 
 
+GPU_PARAMS = [
+    pytest.param(variant, case, id=f"{variant[1] or 'tma_reduce'}-{_case_id(case)}")
+    for variant in VARIANTS
+    for case in GPU_CASES
+    if not (variant[1] == "group" and case[5] == 192)
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS, ids=["atomic", "split", "tma_reduce"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+@pytest.mark.parametrize("variant,case", GPU_PARAMS)
 def test_gradients_match_reference(variant, case, poisoned_empty):
     """out (rel < 1e-2) and dq, dk, dv (rel < 2e-2) against autograd through ref_program in
     float32; every buffer the kernels fill starts as NaN (poisoned_empty)."""
@@ -335,6 +367,7 @@ def test_gradients_match_reference(variant, case, poisoned_empty):
     "script,argv",
     [
         (GQA_BWD, ["--strategy", "atomic", "--causal"]),
+        (GQA_BWD, ["--causal", "--dtype", "bfloat16"]),  # default: group
         (GQA_BWD, ["--strategy", "split", "--dim", "192", "--dim_v", "128"]),
         (TMA_BWD, ["--causal", "--dtype", "bfloat16"]),
     ],

@@ -3,21 +3,32 @@
 A differentiable ``attention(q, k, v)`` for ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``,
 ``v [B, Sk, Hkv, Dv]``: query head ``h`` reads kv head ``h // groups`` (``groups = H / Hkv``), and
 ``Dqk`` may differ from ``Dv`` (192/128 as in DeepSeek-style MLA training). The forward saves the
-row log-sum-exp ``lse``; the backward recomputes the probabilities from it, FlashAttention-2 style,
-in three kernels:
+row log-sum-exp ``lse``; the backward recomputes the probabilities from it, FlashAttention-2 style.
 
-1. ``flashattn_bwd_preprocess``: ``delta = rowsum(O · dO)`` per query row.
-2. ``flashattn_bwd``: one thread block per (key block, query head, batch). It keeps its key block's
-   K and V in shared memory and its ``dk``/``dv`` in registers, streams the query blocks through
-   (TMA loads, WGMMA), and adds each query block's ``dq`` into a float32 ``dQ`` with atomics.
-   At the end the group's query heads must be combined into one kv head's dK/dV, and
-   ``--strategy`` picks how:
-   - ``atomic``: every group member adds its ``dk``/``dv`` into a float32 dK/dV with one
-     regional ``T.atomic_add`` (a whole tile, vectorized 4 floats at a time on SM90);
-   - ``split``: every group member writes its own float32 partial (no atomics, more memory)
-     and the postprocess sums the partials.
-3. ``flashattn_bwd_postprocess`` (dQ back to fp16/bf16) and ``flashattn_bwd_postprocess_kv``
-   (sum the float32 dK/dV partials — one for ``atomic`` — and only then cast).
+What is particular to GQA is that a kv head's dK and dV are sums over the ``groups`` query
+heads that read it. ``strategy`` picks where that sum is made:
+
+- ``group`` (the default where it builds: Hopper, head dims 64/64 and 128/128): one thread block
+  per (key block, kv head) walks the query blocks of every head of its group in turn, so the
+  sum is made in its registers — no atomics, no partials. This is the hand-scheduled backward
+  of example_mha_bwd_wgmma_pipelined.py (its ``flash_bwd`` takes ``groups``), imported from
+  beside this file rather than copied: read that script for the schedule.
+- ``atomic`` and ``split`` run this script's own kernels, on TileLang's automatic pipeline, one
+  thread block per (key block, query head):
+  1. ``flashattn_bwd_preprocess``: ``delta = rowsum(O · dO)`` per query row.
+  2. ``flashattn_bwd``: keeps its key block's K and V in shared memory and its ``dk``/``dv`` in
+     registers, streams the query blocks through (TMA loads, WGMMA), and adds each query
+     block's ``dq`` into a float32 ``dQ`` with atomics. At the end, ``atomic``: every group
+     member adds its ``dk``/``dv`` into a float32 dK/dV with one regional ``T.atomic_add`` (a
+     whole tile, vectorized 4 floats at a time on SM90); ``split``: every member writes its own
+     float32 partial (no atomics, ``groups`` times the memory).
+  3. ``flashattn_bwd_postprocess`` (dQ back to fp16/bf16) and ``flashattn_bwd_postprocess_kv``
+     (sum the float32 dK/dV partials — one for ``atomic`` — and only then cast).
+  They also cover what ``group`` does not: head dims 192/128, and GPUs other than Hopper.
+
+``group`` has ``groups`` times fewer thread blocks than the others, each ``groups`` times
+longer; with a few thousand keys per sequence there are still many per SM. The README
+("Backward") has the three measured side by side.
 
 The float32 dQ accumulator has an annotated layout (``dq_layout``): a GEMM accumulator gives each
 thread two neighbouring columns of an 8×8 tile, and the layout places what a warp holds for one
@@ -26,7 +37,10 @@ thread two neighbouring columns of an 8×8 tile, and the layout places what a wa
 Under this layout columns ``d`` and ``d + 1`` of a row lie 32 floats apart, so an atomic add
 that vectorized them together would be wrong: the dQ atomics stay scalar, one per element at
 its laid-out address (the ``atomic`` strategy's dK/dV, in a plain layout, are vectorized).
-Measured speeds are in the README.
+
+The forward is example_gqa_fwd_bshd.py's persistent warp-specialized kernel (imported, as the
+backward above) on Hopper with equal head dims; this script's own ``flashattn_fwd``
+(T.Pipelined) runs for 192/128 and off Hopper.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0; an empty batch or
@@ -34,7 +48,7 @@ sequence launches nothing.
 
 API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 
-    attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", config=None)
+    attention(q, k, v, causal=False, softmax_scale=None, strategy=None, config=None)
 
     q: (batch, seqlen_q, nheads, headdim_qk), float16 or bfloat16, on a CUDA device.
     k: (batch, seqlen_k, nheads_k, headdim_qk); v: (batch, seqlen_k, nheads_k, headdim_v);
@@ -42,12 +56,15 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
         (64/64, 128/128, 192/128).
     causal: bool. Apply the causal mask (aligned bottom-right, above).
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim_qk).
-    strategy: "atomic" or "split". How a group's dK/dV are combined (above).
-    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
-        default ``default_config``.
+    strategy: "group", "atomic" or "split". How a group's dK/dV are summed (above); default
+        ``default_strategy`` (group where it builds, else atomic).
+    config: dict. Backward tile configuration for that strategy (group: block_M, block_N,
+        num_stages, dq_stages; atomic, split: block_M, block_N, num_stages, threads); default
+        ``default_config``.
     Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
 Run:
+    python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal
     python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal --strategy split
     python examples/flash_attention/example_gqa_bwd.py --compile-only --arch sm_90a  # no GPU
 """
@@ -62,11 +79,17 @@ import tilelang
 import tilelang.language as T
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# Sibling scripts: the persistent forward, and the hand-scheduled backward ("group").
+import example_gqa_fwd_bshd as fast_fwd  # noqa: E402
+import example_mha_bwd_wgmma_pipelined as fast_bwd  # noqa: E402
+
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128))  # (Dqk, Dv) pairs this script builds
 ARCHS = ("sm_90a", "sm_80", "sm_89", "sm_100a")  # --arch; off Hopper, the generic tiles build
-STRATEGIES = ("atomic", "split")
+STRATEGIES = ("group", "atomic", "split")
+GROUP_DIMS = ((64, 64), (128, 128))  # the head dims the hand-scheduled ("group") backward builds
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -477,8 +500,15 @@ def forward_config(dim_qk, arch="sm_90a"):
     return dict(block_M=128, block_N=64, num_stages=1, threads=256)
 
 
-def default_config(dim_qk, dim_v, arch="sm_90a"):
-    """Backward tiles: block_M keys per thread block, block_N queries per step.
+def default_strategy(dim_qk, dim_v, arch="sm_90a"):
+    """``group`` (the hand-scheduled backward) where it builds — Hopper, head dims 64/64 and
+    128/128 —, else ``atomic``."""
+    return "group" if arch.startswith("sm_90") and (dim_qk, dim_v) in GROUP_DIMS else "atomic"
+
+
+def default_config(dim_qk, dim_v, arch="sm_90a", strategy="atomic"):
+    """Backward tiles. ``group``: example_mha_bwd_wgmma_pipelined.py's ``default_config``.
+    ``atomic`` and ``split``: block_M keys per thread block, block_N queries per step.
 
     Hopper: 256 threads are two consumer warpgroups (TileLang adds a producer warpgroup for the
     TMA loads), each holding 64 keys' dk and dv in registers — 128 keys × (Dqk + Dv) float32
@@ -488,6 +518,8 @@ def default_config(dim_qk, dim_v, arch="sm_90a"):
     accumulators leave no registers for 64 queries a step: 128×32 (not measured against others).
     The same tiles with or without ``causal``.
     """
+    if strategy == "group":
+        return fast_bwd.default_config(dim_qk, arch)
     if not arch.startswith("sm_90"):
         return dict(block_M=64, block_N=32, num_stages=1, threads=128)
     if dim_qk + dim_v <= 256:
@@ -495,8 +527,10 @@ def default_config(dim_qk, dim_v, arch="sm_90a"):
     return dict(block_M=128, block_N=32, num_stages=2, threads=256)
 
 
-def tune_configs(dim_qk, dim_v):
-    """The space ``--tune`` compares."""
+def tune_configs(dim_qk, dim_v, strategy="atomic"):
+    """The space ``--tune`` compares for ``strategy``."""
+    if strategy == "group":
+        return fast_bwd.tune_configs(dim_qk)
     configs = [
         dict(block_M=128, block_N=32, num_stages=2, threads=256),
         dict(block_M=128, block_N=32, num_stages=1, threads=256),
@@ -520,8 +554,8 @@ def dtype_name(t):
 
 def _check_inputs(q, k, v, causal, softmax_scale, strategy):
     """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     real = isinstance(softmax_scale, numbers.Real)
@@ -554,6 +588,8 @@ def _check_inputs(q, k, v, causal, softmax_scale, strategy):
         raise ValueError(
             f"head dims (q.shape[-1], v.shape[-1]) must be one of {HEAD_DIMS}, got {(Dqk, Dv)}"
         )
+    if strategy == "group" and (Dqk, Dv) not in GROUP_DIMS:
+        raise ValueError(f"strategy 'group' builds head dims {GROUP_DIMS}, got {(Dqk, Dv)}")
     if not (q.is_cuda and q.device == k.device == v.device):
         raise ValueError(
             f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
@@ -561,10 +597,13 @@ def _check_inputs(q, k, v, causal, softmax_scale, strategy):
 
 
 def attention_forward(q, k, v, causal, softmax_scale):
-    """Forward kernel alone: ``out [B, Sq, H, Dv]`` and ``lse [B, H, Sq]`` (float32, natural
-    log)."""
+    """Forward alone: ``out [B, Sq, H, Dv]`` and ``lse [B, H, Sq]`` (float32, natural log). On
+    Hopper with equal head dims, example_gqa_fwd_bshd.py's persistent forward; else this
+    script's kernel."""
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if Dqk == Dv and device_arch(q.device).startswith("sm_90"):
+        return fast_fwd.attention(q, k, v, causal, softmax_scale, return_lse=True)
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
@@ -583,12 +622,14 @@ def attention_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, config=None, strategy="atomic"
 ):
     """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
+    if strategy == "group":
+        return fast_bwd.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config)
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
-    cfg = config or default_config(Dqk, Dv, device_arch(q.device))
+    cfg = config or default_config(Dqk, Dv, device_arch(q.device), strategy)
     splits = H // Hkv if strategy == "split" else 1
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
 
@@ -635,16 +676,19 @@ class FlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, strategy="atomic", config=None):
+def attention(q, k, v, causal=False, softmax_scale=None, strategy=None, config=None):
     """Differentiable GQA attention: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``,
     ``v [B, Sk, Hkv, Dv]`` (fp16/bf16, CUDA) → ``out [B, Sq, H, Dv]``.
 
-    ``strategy`` ("atomic" or "split") picks how the backward combines a group's dK/dV;
-    ``config`` overrides the backward tiles (see ``default_config``).
+    ``strategy`` ("group", "atomic" or "split"; default ``default_strategy``) picks how the
+    backward combines a group's dK/dV; ``config`` overrides that strategy's backward tiles (see
+    ``default_config``).
     """
     _check_inputs(q, k, v, causal, softmax_scale, strategy)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if strategy is None:
+        strategy = default_strategy(q.shape[-1], v.shape[-1], device_arch(q.device))
     return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale), strategy, config)
 
 
@@ -696,7 +740,9 @@ def build_parser():
     dims_v = tuple(sorted({dv for _, dv in HEAD_DIMS}))
     parser.add_argument("--dim_v", type=int, choices=dims_v, help="V head dim (default: --dim)")
     parser.add_argument(
-        "--strategy", choices=STRATEGIES, default="atomic", help="how a group's dK/dV combine"
+        "--strategy",
+        choices=STRATEGIES,
+        help="how a group's dK/dV combine (default: group where it builds, else atomic)",
     )
     return parser
 
@@ -766,7 +812,30 @@ def compile_all(
     name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim_qk)
-    cfg = config or default_config(dim_qk, dim_v, arch)
+    cfg = config or default_config(dim_qk, dim_v, arch, strategy)
+    if strategy == "group":  # the sibling scripts' kernels
+        fwd_cfg = fast_fwd.default_config(dim_qk, causal, arch, seq_k)
+        attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, causal, scale, dtype)
+        seq_q_pad = fast_bwd.padded_len(seq_q, cfg["block_N"])
+        shape = (batch, heads, seq_q, seq_q_pad, dim_qk)
+        kernels = {
+            "flash_fwd": (fast_fwd.flashattn_fwd, attn, fwd_cfg),
+            "flash_bwd_prep": (fast_bwd.flash_bwd_prep, (*shape, dtype), {}),
+            "flash_bwd": (
+                fast_bwd.flash_bwd,
+                (batch, heads, seq_q, seq_k, dim_qk, causal, scale, dtype),
+                {**cfg, "groups": heads // heads_kv},
+            ),
+            "flash_bwd_post": (
+                fast_bwd.flash_bwd_post,
+                (*shape, scale, dtype),
+                {"block": cfg["block_N"]},
+            ),
+        }
+        return {
+            name: harness.compile_for(fn, arch, *args, **kw).get_kernel_source()
+            for name, (fn, args, kw) in kernels.items()
+        }
     splits = heads // heads_kv if strategy == "split" else 1
     attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, scale, dtype)
     kv = (batch, heads_kv, seq_k)
@@ -816,33 +885,40 @@ def main(argv=None):
     script = pathlib.Path(__file__).name
 
     if args.compile_only:
-        sources = compile_all(*shape, args.dtype, args.strategy, args.arch)
-        cfg = default_config(Dqk, Dv, args.arch)
-        print(f"{script}: built for {args.arch}, strategy {args.strategy}, backward tiles {cfg}")
+        strategy = args.strategy or default_strategy(Dqk, Dv, args.arch)
+        sources = compile_all(*shape, args.dtype, strategy, args.arch)
+        cfg = default_config(Dqk, Dv, args.arch, strategy)
+        print(f"{script}: built for {args.arch}, strategy {strategy}, backward tiles {cfg}")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
 
     harness.require_gpu(script)
     dtype = harness.DTYPES[args.dtype]
+    strategy = args.strategy or default_strategy(Dqk, Dv, device_arch(torch.device("cuda")))
+    if strategy == "group" and (Dqk, Dv) not in GROUP_DIMS:
+        parser.error(f"--strategy group builds head dims {GROUP_DIMS}, got {(Dqk, Dv)}")
     config = None
     if args.tune:
         # Every tune_configs entry side by side in one report; the fastest backward is checked.
-        named = {_config_name(args.strategy, c): (args.strategy, c) for c in tune_configs(Dqk, Dv)}
+        space = tune_configs(Dqk, Dv, strategy)
+        named = {_config_name(strategy, c): (strategy, c) for c in space}
         config = named[harness.fastest(benchmark(*shape, dtype, named)["bwd"])][1]
         print(f"tuned: {config}")
     if args.check:
         B, H, Hkv, Sq, Sk = shape[:5]
         print(
             f"check B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{Dqk}/{Dv} causal={args.causal} "
-            f"{args.dtype} strategy={args.strategy}"
+            f"{args.dtype} strategy={strategy}"
         )
-        check(*shape, dtype, args.strategy, config)
+        check(*shape, dtype, strategy, config)
     if args.bench and not args.tune:
-        benchmark(*shape, dtype, {f"tilelang[{args.strategy}]": (args.strategy, config)})
+        benchmark(*shape, dtype, {f"tilelang[{strategy}]": (strategy, config)})
 
 
 def _config_name(strategy, cfg):
+    if strategy == "group":
+        return "group {block_M}x{block_N} st{num_stages} dq{dq_stages}".format(**cfg)
     return "{} {block_M}x{block_N} st{num_stages} t{threads}".format(strategy, **cfg)
 
 

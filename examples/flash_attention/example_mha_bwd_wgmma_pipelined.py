@@ -56,6 +56,11 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   (``flash_bwd_post``) puts the float32 dQ tiles back in order, scales them and converts them to
   the input dtype.
 
+Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
+block takes a key block of a kv head and walks the query blocks of each of the group's query
+heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
+so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way.
+
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
 inserted behind the kernel's back: it synchronises with mbarriers and one named barrier), and
@@ -204,8 +209,13 @@ def flash_bwd(
     block_N=64,
     num_stages=2,
     dq_stages=1,
+    groups=1,
 ):
-    """One thread block per (block_M keys, head, batch); the schedule of the module docstring.
+    """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
+
+    ``groups`` query heads share each kv head (grouped-query attention; 1 is multi-head): the
+    thread block walks the query blocks of every head of its group in turn, so the group's dK
+    and dV add up in its registers, with no atomics and no partial sums to combine afterwards.
 
     Score tiles are transposed (rows are keys, columns queries): ``acc_s`` holds Sᵀ then Pᵀ,
     ``acc_dp`` holds dPᵀ then dSᵀ, and dQ is computed transposed too (``dq`` holds dQᵀ = Kᵀ dSᵀ).
@@ -217,12 +227,23 @@ def flash_bwd(
     offset = seq_kv - seq_q  # bottom-right causal alignment
     seq_q_pad = padded_len(seq_q, block_N)
     q_shape = [batch, seq_q, heads, dim]
-    kv_shape = [batch, seq_kv, heads, dim]
+    heads_kv = heads // groups
+    kv_shape = [batch, seq_kv, heads_kv, dim]
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
+
+    def step_count(n_blocks):
+        """Steps of a thread block: ``n_blocks`` query blocks for each head of its group."""
+        return n_blocks if groups == 1 else groups * n_blocks
+
+    def step_coords(by, q_start, n_blocks, i):
+        """(query head, query block) of step ``i``: the group's heads one after the other."""
+        if groups == 1:
+            return by, q_start + i
+        return by * groups + i // n_blocks, q_start + i % n_blocks
 
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared):
@@ -249,7 +270,7 @@ def flash_bwd(
 
     @T.macro
     def consumer_warpgroup(
-        wg, bx, by, bz, q_start, n_steps,
+        wg, bx, by, bz, q_start, n_blocks,
         K_shared, V_shared, Q_shared, dO_shared, lse_shared, delta_shared, ds_shared, dq_shared,
         kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty,
         dK, dV,
@@ -267,8 +288,8 @@ def flash_bwd(
         T.clear(dk)
         T.clear(dv)
         T.mbarrier_wait_parity(kv_full, 0)
-        for i in T.serial(n_steps):
-            k = q_start + i
+        for i in T.serial(step_count(n_blocks)):
+            _, k = step_coords(by, q_start, n_blocks, i)
             stage = i % num_stages
             phase = (i // num_stages) & 1
             # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued back to back.
@@ -361,7 +382,7 @@ def flash_bwd(
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(seq_kv, block_M), heads_kv, batch, threads=threads) as (bx, by, bz):
             K_shared = T.alloc_shared([block_M, dim], dtype)
             V_shared = T.alloc_shared([block_M, dim], dtype)
             Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -384,12 +405,12 @@ def flash_bwd(
 
             # Causal: query i sees key j iff i >= j - offset, so the first query block that sees
             # a key of this block holds query bx·block_M − offset. The last query sees every key,
-            # so there is always at least one step.
+            # so there is always at least one step. Every head of the group walks the same range.
             q_start = 0
             if causal:
                 q_start = T.max(0, bx * block_M - offset) // block_N
             q_end = seq_q_pad // block_N
-            n_steps = q_end - q_start
+            n_blocks = q_end - q_start
             tx = T.get_thread_binding()
 
             if tx >= consumers:
@@ -405,32 +426,32 @@ def flash_bwd(
                         V[bz, bx * block_M : (bx + 1) * block_M, by, :], V_shared, barrier=kv_full
                     )
                     T.barrier_arrive(kv_full)
-                    for i in T.serial(n_steps):
-                        k = q_start + i
+                    for i in T.serial(step_count(n_blocks)):
+                        h, k = step_coords(by, q_start, n_blocks, i)
                         stage = i % num_stages
                         phase = (i // num_stages) & 1
                         # A fresh mbarrier counts as having completed the phase before phase 0,
                         # so the first wait on an "empty" barrier (parity 1) passes at once.
                         T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
                         T.tma_copy(
-                            Q[bz, k * block_N : (k + 1) * block_N, by, :],
+                            Q[bz, k * block_N : (k + 1) * block_N, h, :],
                             Q_shared[stage, :, :],
                             barrier=q_full[stage],
                         )
                         T.tma_copy(
-                            lse2[bz, by, k * block_N : (k + 1) * block_N],
+                            lse2[bz, h, k * block_N : (k + 1) * block_N],
                             lse_shared[stage, :],
                             barrier=q_full[stage],
                         )
                         T.barrier_arrive(q_full[stage])
                         T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
                         T.tma_copy(
-                            dO[bz, k * block_N : (k + 1) * block_N, by, :],
+                            dO[bz, k * block_N : (k + 1) * block_N, h, :],
                             dO_shared[stage, :, :],
                             barrier=do_full[stage],
                         )
                         T.tma_copy(
-                            Delta[bz, by, k * block_N : (k + 1) * block_N],
+                            Delta[bz, h, k * block_N : (k + 1) * block_N],
                             delta_shared[stage, :],
                             barrier=do_full[stage],
                         )
@@ -439,12 +460,12 @@ def flash_bwd(
                     # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
                     # their P is 0). Waiting until the reduce-add has read the tile, then
                     # arriving on dq_empty, hands the buffer back.
-                    for i in T.serial(n_steps):
-                        k = q_start + i
+                    for i in T.serial(step_count(n_blocks)):
+                        h, k = step_coords(by, q_start, n_blocks, i)
                         slot = i % dq_stages
                         T.mbarrier_wait_parity(dq_full[slot], (i // dq_stages) & 1)
                         if tx == consumers + 32:
-                            bulk_reduce_add(dQ_accum[bz, by, k, 0], dq_shared[slot, 0], dq_tile)
+                            bulk_reduce_add(dQ_accum[bz, h, k, 0], dq_shared[slot, 0], dq_tile)
                             T.tma_store_arrive()
                             T.tma_store_wait(0)
                         T.barrier_arrive(dq_empty[slot])
@@ -463,9 +484,9 @@ def flash_bwd(
                 )
                 barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
                 if tx < 128:
-                    consumer_warpgroup(0, bx, by, bz, q_start, n_steps, *shared, *barriers, dK, dV)
+                    consumer_warpgroup(0, bx, by, bz, q_start, n_blocks, *shared, *barriers, dK, dV)
                 else:
-                    consumer_warpgroup(1, bx, by, bz, q_start, n_steps, *shared, *barriers, dK, dV)
+                    consumer_warpgroup(1, bx, by, bz, q_start, n_blocks, *shared, *barriers, dK, dV)
 
     return flash_bwd
 
@@ -582,9 +603,11 @@ def attention_forward(q, k, v, causal, softmax_scale):
 
 
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
-    """The three backward kernels: returns ``dq, dk, dv`` in the input dtype."""
+    """The three backward kernels: returns ``dq, dk, dv`` in the input dtype. ``k, v`` may have
+    fewer heads than ``q`` (``[B, Sk, Hkv, D]``, H a multiple of Hkv): example_gqa_bwd.py runs
+    this backward for grouped-query attention."""
     B, Sq, H, D = q.shape
-    Sk = k.shape[1]
+    Sk, Hkv = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype = dtype_name(q)
@@ -598,7 +621,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     n_blocks = seq_q_pad // cfg["block_N"]
     dq_accum = torch.zeros(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    kernel = flash_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg)
+    kernel = flash_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg, groups=H // Hkv)
     kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv)
     dq = torch.empty_like(q)
     flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype, cfg["block_N"])(dq_accum, dq)
