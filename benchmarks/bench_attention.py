@@ -6,15 +6,19 @@ SDPA cuDNN and, for bf16 forward, FlashAttention-3. Forward: example_mha_fwd_bsh
 the hand-scheduled example_mha_bwd_wgmma_pipelined.py ("tilelang") beside the plain
 example_mha_bwd_bshd.py ("tilelang plain"), timed twice: the backward pass alone (2.5× the
 forward FLOPs, mode "bwd") and a training step, forward + backward (3.5×, mode "fwd+bwd"; each
-of ours runs its own script's forward). Each of our rows is checked against cuDNN's output (or
-gradients) before it is timed, so a fast wrong kernel cannot make the table.
+of ours runs its own script's forward). GQA backward (mode "bwd_gqa", and "fwd+bwd_gqa"): 8 kv
+heads (H32/Hkv8 at D = 128, H64/Hkv8 at D = 64), example_gqa_bwd.py's default strategy
+("tilelang", the hand-scheduled ``group``) beside its ``atomic`` one, SDPA with ``enable_gqa``.
+Each of our rows is checked against cuDNN's output (or gradients) before it is timed, so a fast
+wrong kernel cannot make the table.
 
 Writes ``<out>/<mode>.json`` (one record per implementation and shape; bwd.json holds the
-"fwd+bwd" rows too), ``<out>/<mode>.md`` (the tables the README shows) and ``<out>/<mode>.png``
+"fwd+bwd" rows too, bwd_gqa.json the "fwd+bwd_gqa" ones), ``<out>/<mode>.md`` (the tables the
+README shows) and ``<out>/<mode>.png``
 (TFLOP/s against S, one line per implementation; fwd_bwd.png for the training step).
 ``--render`` rebuilds the tables and plots from saved JSON files (several partial runs merge).
 
-    python benchmarks/bench_attention.py --out benchmarks/results --modes fwd bwd
+    python benchmarks/bench_attention.py --out benchmarks/results --modes fwd bwd bwd_gqa
     python benchmarks/bench_attention.py --render bwd_d128.json bwd_d64.json --out results
 """
 
@@ -34,6 +38,7 @@ import harness  # noqa: E402
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384
+HEADS_KV = 8  # the GQA sweep's kv heads
 
 
 def load(relpath):
@@ -80,6 +85,23 @@ def build_backward(fast, plain, B, H, S, D, causal, dtype):
     fast.flash_bwd_post(B, H, S, pad, D, D**-0.5, dtype)
 
 
+def build_gqa_backward(gqa, B, H, S, D, causal, dtype):
+    arch, scale, Hkv = gqa.device_arch("cuda"), D**-0.5, HEADS_KV
+    fwd_cfg = gqa.fast_fwd.default_config(D, causal, arch, S)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gqa.fast_fwd.flashattn_fwd(B, H, Hkv, S, S, D, causal, scale, dtype, **fwd_cfg, num_sms=num_sms)
+    cfg = gqa.default_config(D, D, arch, "group")
+    pad = gqa.fast_bwd.padded_len(S, cfg["block_N"])
+    gqa.fast_bwd.flash_bwd_prep(B, H, S, pad, D, dtype)
+    gqa.fast_bwd.flash_bwd(B, H, S, S, D, causal, scale, dtype, **cfg, groups=H // Hkv)
+    gqa.fast_bwd.flash_bwd_post(B, H, S, pad, D, scale, dtype, cfg["block_N"])
+    cfg = gqa.default_config(D, D, arch, "atomic")
+    gqa.flashattn_bwd_preprocess(B, H, S, D, dtype)
+    gqa.flashattn_bwd(B, H, Hkv, S, S, D, D, causal, scale, dtype, "atomic", **cfg)
+    gqa.flashattn_bwd_postprocess(B, H, S, D, dtype)
+    gqa.flashattn_bwd_postprocess_kv(B, Hkv, S, D, 1, dtype)
+
+
 def forward_rows(dims, dtypes, seqlens, build_only=False):
     mha = load("examples/flash_attention/example_mha_fwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
@@ -114,23 +136,44 @@ def backward_rows(dims, dtypes, seqlens, build_only=False):
     prebuild(lambda *shape: build_backward(fast, plain, *shape), shapes)
     if build_only:
         return []
-    return [row for shape in shapes for row in backward_shape(fast, plain, *shape)]
+    impls = {"tilelang": fast, "tilelang plain": plain}
+    return [row for shape in shapes for row in backward_shape(impls, None, *shape)]
 
 
-def backward_shape(fast, plain, B, H, S, D, causal, dtype_name):
+def gqa_backward_rows(dims, dtypes, seqlens, build_only=False):
+    gqa = load("examples/flash_attention/example_gqa_bwd.py")
+    shapes = sweep(dims, dtypes, seqlens)
+    prebuild(lambda *shape: build_gqa_backward(gqa, *shape), shapes)
+    if build_only:
+        return []
+
+    class Strategy:  # example_gqa_bwd.py with one strategy, in the MHA scripts' interface
+        def __init__(self, name):
+            self.attention_forward = gqa.attention_forward
+            self.attention_backward = lambda *a: gqa.attention_backward(*a, strategy=name)
+            self.attention = lambda q, k, v, c, s: gqa.attention(q, k, v, c, s, name)
+
+    impls = {"tilelang": Strategy("group"), "tilelang atomic": Strategy("atomic")}
+    return [row for shape in shapes for row in backward_shape(impls, HEADS_KV, *shape)]
+
+
+def backward_shape(impls, heads_kv, B, H, S, D, causal, dtype_name):
+    """Backward alone and forward + backward of each of ``impls`` (name → module with
+    attention_forward, attention_backward, attention) beside the peers; ``heads_kv`` None is
+    MHA, else the rows' modes get the suffix "_gqa"."""
     torch.manual_seed(0)
     dtype = harness.DTYPES[dtype_name]
-    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
+    Hkv = heads_kv or H
+    q, dout = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
     scale = D**-0.5
     peers_fwd_bwd, peers = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
     ref = peers["sdpa_cudnn"]()
-    fast_fwd = fast.attention_forward(q, k, v, causal, scale)
-    plain_fwd = plain.attention_forward(q, k, v, causal, scale)
     ours = {
-        "tilelang": lambda: fast.attention_backward(dout, q, k, v, *fast_fwd, causal, scale),
-        "tilelang plain": lambda: plain.attention_backward(
-            dout, q, k, v, *plain_fwd, causal, scale
-        ),
+        name: lambda m=m, f=m.attention_forward(q, k, v, causal, scale): m.attention_backward(
+            dout, q, k, v, *f, causal, scale
+        )
+        for name, m in impls.items()
     }
     rels = {}
     for name, run in ours.items():
@@ -142,19 +185,22 @@ def backward_shape(fast, plain, B, H, S, D, causal, dtype_name):
     leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
     steps = {
         name: (lambda m=m: torch.autograd.grad(m.attention(*leaves, causal, scale), leaves, dout))
-        for name, m in (("tilelang", fast), ("tilelang plain", plain))
+        for name, m in impls.items()
     }
     fwd = harness.attention_flops(B, H, S, S, D, D, causal)
     shape = {"B": B, "H": H, "S": S, "D": D, "causal": causal, "dtype": dtype_name}
+    suffix = "" if heads_kv is None else "_gqa"
+    if heads_kv is not None:
+        shape["Hkv"] = heads_kv
     rows = []
-    for mode, impls, peer_impls, flops in (
-        ("bwd", ours, peers, 2.5 * fwd),
-        ("fwd+bwd", steps, peers_fwd_bwd, 3.5 * fwd),
+    for mode, runs, peer_runs, flops in (
+        ("bwd" + suffix, ours, peers, 2.5 * fwd),
+        ("fwd+bwd" + suffix, steps, peers_fwd_bwd, 3.5 * fwd),
     ):
-        title = f"{mode} B{B} H{H} S{S} D{D} causal={causal} {dtype_name}"
+        title = f"{mode} B{B} H{H} Hkv{Hkv} S{S} D{D} causal={causal} {dtype_name}"
         rows += [
             {**r, "mode": mode, **shape, "rel_err_vs_cudnn": rels.get(r["impl"])}
-            for r in harness.report(title, impls, peer_impls, flops)
+            for r in harness.report(title, runs, peer_runs, flops)
         ]
     return rows
 
@@ -219,8 +265,14 @@ def plot(rows, path, mode, title, device, date):
     fig.savefig(path, dpi=110)
 
 
-TITLES = {"fwd": "Forward", "bwd": "Backward alone", "fwd+bwd": "Forward + backward"}
-FILES = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd_bwd"}
+TITLES = {
+    "fwd": "Forward",
+    "bwd": "Backward alone",
+    "fwd+bwd": "Forward + backward",
+    "bwd_gqa": "GQA backward alone",
+    "fwd+bwd_gqa": "GQA forward + backward",
+}
+FILES = {m: m.replace("+", "_") for m in TITLES}  # fwd+bwd → fwd_bwd.png
 
 
 def render(rows, out, device, date):
@@ -232,16 +284,18 @@ def render(rows, out, device, date):
         plot(rows, out / f"{FILES[mode]}.png", mode, TITLES[mode].lower(), device, date)
     if "fwd" in tables:
         (out / "fwd.md").write_text(tables["fwd"])
-    backward = [tables[m] for m in ("bwd", "fwd+bwd") if m in tables]
-    if backward:
-        (out / "bwd.md").write_text("\n".join(backward))
+    for name, pair in (("bwd", ("bwd", "fwd+bwd")), ("bwd_gqa", ("bwd_gqa", "fwd+bwd_gqa"))):
+        backward = [tables[m] for m in pair if m in tables]
+        if backward:  # <name>.md holds the backward alone and the training step
+            (out / f"{name}.md").write_text("\n".join(backward))
     return "\n".join(tables.values())
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    modes = ["fwd", "bwd", "bwd_gqa"]
+    p.add_argument("--modes", nargs="+", default=modes, choices=modes)
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=harness.DTYPES)
     p.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
@@ -259,7 +313,7 @@ def main(argv=None):
         return
     harness.require_gpu("benchmarks/bench_attention.py")
     device, date = torch.cuda.get_device_name(), str(datetime.date.today())
-    runners = {"fwd": forward_rows, "bwd": backward_rows}
+    runners = {"fwd": forward_rows, "bwd": backward_rows, "bwd_gqa": gqa_backward_rows}
     for mode in args.modes:
         rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only)
         if args.build_only:
