@@ -352,3 +352,31 @@ def varlen_flops(cu_seqlens_q, cu_seqlens_k, heads, dim_qk, dim_v, causal, backw
         for lq, lk in lengths
         if lq > 0 and lk > 0
     )
+
+
+# ----------------------------------------------------------------------------- torch.compile
+class TwoLayerModel(torch.nn.Module):
+    """The toy model that tests/test_custom_ops.py and benchmarks/bench_compiled.py compile: two
+    layers of QKV projection, ``attention(q, k, v, causal)`` (on ``layout`` "bshd" or "bhsd"),
+    output projection and residual add, on ``x [B, S, heads * dim]``."""
+
+    def __init__(self, attention, heads, dim, causal, layout="bshd", layers=2):
+        super().__init__()
+        self.attention, self.heads, self.dim = attention, heads, dim
+        self.causal, self.layout = causal, layout
+        width = heads * dim
+        linear = torch.nn.Linear
+        self.qkv = torch.nn.ModuleList(linear(width, 3 * width, bias=False) for _ in range(layers))
+        self.proj = torch.nn.ModuleList(linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x):
+        B, S, width = x.shape
+        for qkv, proj in zip(self.qkv, self.proj, strict=True):
+            q, k, v = qkv(x).view(B, S, 3, self.heads, self.dim).unbind(2)
+            if self.layout == "bhsd":
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = self.attention(q, k, v, self.causal)
+            if self.layout == "bhsd":
+                out = out.transpose(1, 2)
+            x = x + proj(out.reshape(B, S, width))
+        return x

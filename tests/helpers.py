@@ -14,13 +14,19 @@ _loaded = {}
 
 
 def load_script(relpath: str):
-    """Import ``examples/<relpath>`` as a module, once."""
+    """Import ``examples/<relpath>`` as a module, once. It is also the module a sibling script
+    gets by importing it by its plain name (example_mha_bwd_wgmma_pipelined.py imports
+    example_mha_fwd_bshd), and the other way round: one module per file, so each custom operator
+    a script registers (``tl_attn::...``) runs that one module's code in the test process."""
     if relpath not in _loaded:
         path = EXAMPLES / relpath
-        name = "ex_" + relpath.replace("/", "_").removesuffix(".py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        module = sys.modules.get(path.stem)
+        if getattr(module, "__file__", None) != str(path):
+            name = "ex_" + relpath.replace("/", "_").removesuffix(".py")
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            sys.modules.setdefault(path.stem, module)
+            spec.loader.exec_module(module)
         _loaded[relpath] = module
     return _loaded[relpath]

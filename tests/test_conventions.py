@@ -151,6 +151,8 @@ RETIRED_NAMES = {"loop_st", "loop_ed", "q_first", "_dtype_name", "_forward", "_b
 
 @pytest.mark.parametrize("script", BACKWARD_SCRIPTS)
 def test_autograd_class_and_helpers_have_one_name(script):
+    """One autograd mechanism a script: FlashAttnFunc / FlashAttnVarlenFunc, or the formula
+    registered on its custom operator (docs/CONVENTIONS.md, "torch.compile")."""
     mod = load_script(script)
     cls = "FlashAttnVarlenFunc" if "varlen" in script else "FlashAttnFunc"
     functions = [
@@ -158,13 +160,40 @@ def test_autograd_class_and_helpers_have_one_name(script):
         for name, value in vars(mod).items()
         if isinstance(value, type) and issubclass(value, torch.autograd.Function)
     ]
-    assert functions == [cls]  # a plain class: no torch.compile around it
+    assert functions == ([] if script in CUSTOM_OP_SCRIPTS else [cls])
     leading = VARLEN_LEADING if "varlen" in script else DENSE_LEADING
     for helper, names in leading.items():
         params = list(inspect.signature(getattr(mod, helper)).parameters)
         assert params[: len(names)] == names, f"{helper}{params}"
         if "config" in params:  # right after the shared arguments; extras (strategy) after it
             assert params.index("config") == params.index("softmax_scale") + 1
+
+
+CUSTOM_OP_SCRIPTS = [
+    s for s in ATTENTION_SCRIPTS if "torch.library.custom_op" in (EXAMPLES / s).read_text()
+]
+
+
+@pytest.mark.parametrize("script", CUSTOM_OP_SCRIPTS)
+def test_custom_operators_are_named_for_their_script(script):
+    """docs/CONVENTIONS.md, "torch.compile": attention_forward_op is tl_attn::<script name
+    without example_>, suffixed _forward in a differentiable script, whose attention_backward_op
+    is ..._backward; no other operator."""
+    mod = load_script(script)
+    name = "tl_attn::" + os.path.basename(script).removesuffix(".py").removeprefix("example_")
+    ops = {
+        value._opoverload._schema.name: attr
+        for attr, value in vars(mod).items()
+        if isinstance(value, torch._library.custom_ops.CustomOpDef)
+    }
+    if "bwd" in script:
+        expected = {
+            name + "_forward": "attention_forward_op",
+            name + "_backward": "attention_backward_op",
+        }
+    else:
+        expected = {name: "attention_forward_op"}
+    assert ops == expected
 
 
 @pytest.mark.parametrize("script", ATTENTION_SCRIPTS)

@@ -37,6 +37,9 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
     Returns out: (batch, seqlen_q, nheads, headdim), or (out, lse) when return_lse.
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_fwd_bshd`` (``torch.library``),
+so ``torch.compile(model, fullgraph=True)`` compiles a model around it without a graph break.
+
 Run:
     python examples/flash_attention/example_gqa_fwd_bshd.py --groups 8 --causal
     python examples/flash_attention/example_gqa_fwd_bshd.py --compile-only --arch sm_90a  # no GPU
@@ -435,18 +438,10 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         )
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, config=None):
-    """GQA FlashAttention forward: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` (fp16/bf16, CUDA).
-
-    Returns ``out [B, Sq, H, D]``, and ``lse [B, H, Sq]`` (float32, natural log) when
-    ``return_lse``. ``config`` overrides the tile configuration (see ``default_config``).
-    """
-    _check_inputs(q, k, v, causal, softmax_scale)
+def attention_forward(q, k, v, causal, softmax_scale, config=None):
+    """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    q, k, v = (t.contiguous() for t in (q, k, v))
     measured = default_config(D, causal, device_arch(q.device), Sk)  # raises off Hopper
     cfg = config or measured
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -461,6 +456,47 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, confi
             B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg, num_sms=num_sms
         )
         kernel(q, k, v, out, lse)
+    return out, lse
+
+
+# torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
+# Compiled code calls it as one opaque node, without a graph break, and learns its outputs'
+# shapes, dtypes and strides from the fake implementation. A config travels as its values in
+# CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages")
+
+
+@torch.library.custom_op("tl_attn::gqa_fwd_bshd", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    return attention_forward(q, k, v, causal, softmax_scale, cfg)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, causal, softmax_scale, config):
+    B, Sq, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, config=None):
+    """GQA FlashAttention forward: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` (fp16/bf16, CUDA).
+
+    Returns ``out [B, Sq, H, D]``, and ``lse [B, H, Sq]`` (float32, natural log) when
+    ``return_lse``. ``config`` overrides the tile configuration (see ``default_config``).
+    """
+    _check_inputs(q, k, v, causal, softmax_scale)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, lse = attention_forward_op(q, k, v, causal, float(softmax_scale), tiles)
     return (out, lse) if return_lse else out
 
 

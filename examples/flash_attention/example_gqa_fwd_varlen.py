@@ -56,6 +56,10 @@ API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.m
         ``default_config``.
     Returns out: (total_q, nheads, headdim), or (out, lse) when return_lse.
 
+Underneath, ``attention_varlen`` calls the custom operator ``tl_attn::gqa_fwd_varlen``
+(``torch.library``), which also reads and checks the ``cu_seqlens`` values, so
+``torch.compile(model, fullgraph=True)`` compiles a model around it without a graph break.
+
 Run:
     python examples/flash_attention/example_gqa_fwd_varlen.py --groups 8 --causal
     python examples/flash_attention/example_gqa_fwd_varlen.py --compile-only --arch sm_90a  # no GPU
@@ -63,7 +67,6 @@ Run:
 
 import math
 import numbers
-import operator
 import pathlib
 import sys
 
@@ -304,10 +307,10 @@ def _host_values(cu):
 def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
 ):
-    """ValueError naming the first bad argument; the device last, so any other needs no GPU.
-    Each cu_seqlens: int32, contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by
-    both, on q's device, 0 first, non-decreasing, last = its token count. Its values must be seen
-    to be checked, on every call; they are read from the device once per tensor (``_host_values``).
+    """ValueError naming the first bad argument, from metadata alone (types, shapes, dtypes,
+    devices), which torch.compile traces without a graph break. Each cu_seqlens: int32,
+    contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by both, on q's device; each
+    max_seqlen an int. What needs cu_seqlens' values, and the CUDA check, is ``_check_values``.
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -335,11 +338,10 @@ def _check_inputs(
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    sides = (
-        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
-    )
-    for side, cu, total, max_seqlen in sides:
+    for side, cu, max_seqlen in (
+        ("q", cu_seqlens_q, max_seqlen_q),
+        ("k", cu_seqlens_k, max_seqlen_k),
+    ):
         name = f"cu_seqlens_{side}"
         if not isinstance(cu, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -358,6 +360,21 @@ def _check_inputs(
                 f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                 f"{cu_seqlens_q.shape[0]} and {cu.shape[0]}"
             )
+        integer = numbers.Integral | torch.SymInt  # SymInt: a length torch.compile made dynamic
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, integer):
+            raise ValueError(f"max_seqlen_{side} must be an int, got {type(max_seqlen).__name__}")
+
+
+def _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The checks that need cu_seqlens' values (0 first, non-decreasing, last = its token count,
+    max_seqlen at least the longest sequence), on every call; then the device, last, so any other
+    needs no GPU. The values are read from the device once per tensor (``_host_values``)."""
+    sides = (
+        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
+    )
+    for side, cu, total, max_seqlen in sides:
+        name = f"cu_seqlens_{side}"
         values = _host_values(cu)
         lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
         if values[0] != 0:
@@ -370,9 +387,7 @@ def _check_inputs(
                 f"tensor), got {values[-1]}"
             )
         name, longest = f"max_seqlen_{side}", max(lengths, default=0)
-        if isinstance(max_seqlen, bool) or not hasattr(max_seqlen, "__index__"):
-            raise ValueError(f"{name} must be an int, got {type(max_seqlen).__name__}")
-        if operator.index(max_seqlen) < longest:
+        if max_seqlen < longest:
             raise ValueError(
                 f"{name} ({max_seqlen}) must be at least the longest sequence, {longest}"
             )
@@ -380,6 +395,62 @@ def _check_inputs(
         raise ValueError(
             f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
         )
+
+
+def attention_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, config=None
+):
+    """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
+    H, D = q.shape[1:]
+    cfg = config or default_config(D, device_arch(q.device))
+    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+    out = torch.empty_like(q)
+    lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
+    if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif q.shape[0] > 0:
+        Hkv = k.shape[1]
+        kernel = flashattn_fwd_varlen(H, Hkv, D, bool(causal), float(softmax_scale), dtype, **cfg)
+        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse)
+    return out, lse
+
+
+# torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
+# Compiled code calls it as one opaque node, without a graph break, and learns its outputs'
+# shapes, dtypes and strides from the fake implementation. A config travels as its values in
+# CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
+# The checks that read cu_seqlens run in the real implementation, never in traced code, so a
+# compiled model reads each cu_seqlens tensor once, as eager code does.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "threads")
+
+
+@torch.library.custom_op("tl_attn::gqa_fwd_varlen", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    return attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, cfg
+    )
+
+
+@attention_forward_op.register_fake
+def _(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, config
+):
+    total_q, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(H, total_q, dtype=torch.float32)
 
 
 def attention_varlen(
@@ -401,26 +472,20 @@ def attention_varlen(
     ``[B + 1]`` on the same device, ``max_seqlen_q/k`` Python ints. Returns ``out [total_q, H,
     D]``, and ``lse [H, total_q]`` (float32, natural log) when ``return_lse``. ``config``
     overrides the tile configuration (see ``default_config``). The inputs are validated, which
-    reads each ``cu_seqlens`` tensor back to the host once (see ``_host_values``).
+    reads each ``cu_seqlens`` tensor back to the host once (see ``_host_values``), inside the
+    operator.
     """
     _check_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
     )
-    H, D = q.shape[1:]
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    cfg = config or default_config(D, device_arch(q.device))
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-    out = torch.empty_like(q)
-    lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
-    if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
-        out.zero_()
-        lse.fill_(math.inf)
-    elif q.shape[0] > 0:
-        Hkv = k.shape[1]
-        kernel = flashattn_fwd_varlen(H, Hkv, D, bool(causal), float(softmax_scale), dtype, **cfg)
-        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), out, lse)
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, lse = attention_forward_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        float(softmax_scale), tiles,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,459 @@
+"""The torch-facing functions as custom operators, for torch.compile (docs/CONVENTIONS.md,
+"torch.compile").
+
+CPU: every operator's schema; its fake implementation (shapes, dtypes, strides) under
+FakeTensorMode, with the real kernels unreachable; ``torch.library.opcheck`` on meta tensors,
+where the fake implementation is what runs; the public functions traced by torch.compile on fake
+CUDA tensors: no graph break, and how often a new length recompiles; configs reaching the
+kernels; ValueErrors, eager and compiled. GPU (marker ``gpu``): a two-layer model compiled with
+``fullgraph=True`` gives eager's outputs and gradients, with no graph break, and recompiles as
+the CPU tests say.
+"""
+
+import pytest
+import torch
+from helpers import load_script, rel_err
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import harness
+
+MHA_BWD = "flash_attention/example_mha_bwd_bshd.py"
+MHA_VARLEN = "flash_attention/example_mha_fwd_varlen.py"
+# script: its operators' schemas (the forward's first; a differentiable script's backward second)
+SCHEMAS = {
+    "flash_attention/example_mha_fwd_bshd.py": [
+        "tl_attn::mha_fwd_bshd(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, "
+        "SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    "flash_attention/example_mha_fwd_bhsd.py": [
+        "tl_attn::mha_fwd_bhsd(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, "
+        "SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    "flash_attention/example_gqa_fwd_bshd.py": [
+        "tl_attn::gqa_fwd_bshd(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, "
+        "SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    MHA_VARLEN: [
+        "tl_attn::mha_fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
+        "float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    "flash_attention/example_gqa_fwd_varlen.py": [
+        "tl_attn::gqa_fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
+        "float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    MHA_BWD: [
+        "tl_attn::mha_bwd_bshd_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)",
+        "tl_attn::mha_bwd_bshd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, bool causal, float softmax_scale, SymInt[]? config) "
+        "-> (Tensor, Tensor, Tensor)",
+    ],
+    "flash_attention/example_mha_bwd_bhsd.py": [
+        "tl_attn::mha_bwd_bhsd_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)",
+        "tl_attn::mha_bwd_bhsd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, bool causal, float softmax_scale, SymInt[]? config) "
+        "-> (Tensor, Tensor, Tensor)",
+    ],
+}
+SCRIPTS = list(SCHEMAS)
+BACKWARD = [s for s in SCRIPTS if "bwd" in s]
+VARLEN = [s for s in SCRIPTS if "varlen" in s]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def layout(script):
+    return "varlen" if "varlen" in script else "bhsd" if "bhsd" in script else "bshd"
+
+
+def inputs(script, B=2, Sq=5, Sk=7, H=4, D=64, dtype=torch.float16, device="cuda"):
+    """The operator's tensor (and int) arguments: q, k, v, then for varlen cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k (B sequences of Sq queries and Sk keys). GQA
+    scripts get half as many kv heads."""
+    Hkv = H // 2 if "gqa" in script else H
+
+    def empty(*shape):
+        return torch.empty(*shape, device=device, dtype=dtype)
+
+    if layout(script) == "varlen":
+        cu_q, cu_k = (torch.arange(B + 1, device=device, dtype=torch.int32) * S for S in (Sq, Sk))
+        return empty(B * Sq, H, D), empty(B * Sk, Hkv, D), empty(B * Sk, Hkv, D), cu_q, cu_k, Sq, Sk
+    if layout(script) == "bhsd":
+        return empty(B, H, Sq, D), empty(B, Hkv, Sk, D), empty(B, Hkv, Sk, D)
+    return empty(B, Sq, H, D), empty(B, Sk, Hkv, D), empty(B, Sk, Hkv, D)
+
+
+def lse_shape(script, q):
+    if layout(script) == "varlen":
+        return (q.shape[1], q.shape[0])  # [H, total_q]
+    return (q.shape[0], q.shape[2], q.shape[1]) if layout(script) == "bshd" else q.shape[:3]
+
+
+def public(script):
+    mod = load_script(script)
+    return mod.attention_varlen if layout(script) == "varlen" else mod.attention
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """Make the functions the operators' real implementations call fail the test."""
+
+    def forbid(script):
+        mod = load_script(script)
+        for name in ("attention_forward", "attention_backward", "_check_values"):
+            if hasattr(mod, name):
+                fail = lambda *a, _n=name, **kw: pytest.fail(f"the real {_n} ran")  # noqa: E731
+                monkeypatch.setattr(mod, name, fail)
+        return mod
+
+    return forbid
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- CPU: operators
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_operator_schemas(script):
+    mod = load_script(script)
+    ops = [mod.attention_forward_op]
+    if script in BACKWARD:
+        ops.append(mod.attention_backward_op)
+    assert [str(op._opoverload._schema) for op in ops] == SCHEMAS[script]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fake_outputs_are_shaped_like_the_real_ones(script, dtype, causal, no_kernels):
+    """Under FakeTensorMode (CUDA tensors without a GPU) every operator, and the public function
+    around it, returns what the real kernels would: out like q, lse float32 and contiguous,
+    gradients like q, k, v."""
+    mod = no_kernels(script)
+    with FakeTensorMode():
+        args = inputs(script, dtype=dtype)
+        q, k, v = args[:3]
+        out, lse = mod.attention_forward_op(*args, causal, 0.125, None)
+        assert (out.shape, out.stride(), out.dtype) == (q.shape, q.stride(), dtype)
+        assert lse.shape == lse_shape(script, q) and lse.dtype == torch.float32
+        assert lse.is_contiguous() and out.device == lse.device == q.device
+        if script in BACKWARD:
+            grads = mod.attention_backward_op(out, q, k, v, out, lse, causal, 0.125, None)
+            for grad, t in zip(grads, (q, k, v), strict=True):
+                assert (grad.shape, grad.stride(), grad.dtype) == (t.shape, t.stride(), dtype)
+            assert public(script)(q, k, v, causal).shape == q.shape
+        else:
+            out, lse = public(script)(*args, causal=causal, return_lse=True)
+            assert out.shape == q.shape and lse.shape == lse_shape(script, q)
+
+
+def opcheck_cases():
+    return [(s, i) for s in SCRIPTS for i in range(1 + (s in BACKWARD))]
+
+
+@pytest.mark.parametrize(
+    "script,which", opcheck_cases(), ids=[f"{s[16:-3]}-{'fb'[i]}" for s, i in opcheck_cases()]
+)
+def test_opcheck_on_meta_tensors(script, which, no_kernels):
+    """torch.library.opcheck, every test it has, on meta tensors: a meta tensor's kernel is the
+    operator's fake implementation (the real one would need a GPU), so this checks the schema,
+    the autograd registration (inputs requiring grad) and the fake implementation under
+    AOTAutograd with static and dynamic shapes."""
+    mod = no_kernels(script)
+    args = inputs(script, device="meta")
+    if which == 0:
+        q, k, v = (t.requires_grad_(script in BACKWARD) for t in args[:3])
+        op, args = mod.attention_forward_op, (q, k, v, *args[3:], True, 0.125, None)
+    else:  # the backward operator is not differentiable itself: plain inputs
+        q, k, v = args
+        out, lse = mod.attention_forward_op(q, k, v, True, 0.125, None)
+        op, args = (
+            mod.attention_backward_op,
+            (out, q, k, v, out, lse, True, 0.125, [64, 32, 1, 128]),
+        )
+    tests = (
+        "test_schema",
+        "test_autograd_registration",
+        "test_faketensor",
+        "test_aot_dispatch_static",
+        "test_aot_dispatch_dynamic",
+    )
+    torch.library.opcheck(op, args, test_utils=tests)
+
+
+@pytest.mark.parametrize("script", BACKWARD)
+def test_autograd_saves_inputs_and_outputs_and_passes_config_to_backward(script, monkeypatch):
+    """The forward operator's autograd formula saves q, k, v, out, lse (lse not differentiable)
+    and hands the backward operator causal, softmax_scale and the config; on meta tensors."""
+    mod = load_script(script)
+    seen = []
+
+    def backward_op(dout, q, k, v, out, lse, causal, softmax_scale, config):
+        seen.append((q, k, v, out, lse, causal, softmax_scale, config))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(mod, "attention_backward_op", backward_op)
+    q, k, v = (t.requires_grad_() for t in inputs(script, device="meta"))
+    config = dict(block_M=64, block_N=32, num_stages=1, threads=128)
+    tiles = [config[key] for key in mod.CONFIG_KEYS]
+    out, lse = mod.attention_forward_op(q, k, v, True, 0.25, tiles)
+    assert out.requires_grad and not lse.requires_grad
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    ((sq, sk, sv, sout, slse, causal, scale, got),) = seen
+    assert (causal, scale, dict(zip(mod.CONFIG_KEYS, got, strict=True))) == (True, 0.25, config)
+    assert sq.shape == q.shape and sout.shape == out.shape and slse.shape == lse.shape
+
+
+def tune_space(mod):
+    params = mod.tune_configs.__code__.co_argcount  # the forward scripts' take the head dim
+    return mod.tune_configs(*[64][:params])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_config_travels_as_its_values_in_config_keys_order(script, monkeypatch):
+    """attention(config=...) hands the operator the config's values in CONFIG_KEYS order, and
+    the operator's real implementation hands its Python function (the backward's, in a
+    differentiable script) the same dict, for every config --tune tries."""
+    mod = load_script(script)
+    passed, received = [], []
+    real_op = mod.attention_forward_op
+
+    def op(*args):
+        passed.append(args[-1])
+        return real_op(*args)
+
+    def implementation(outputs):  # stands in for attention_forward / attention_backward
+        def record(*args):
+            received.append(args[-1])
+            return tuple(torch.empty(0) for _ in range(outputs))
+
+        return record
+
+    monkeypatch.setattr(mod, "attention_forward_op", op)
+    monkeypatch.setattr(mod, "_check_values", lambda *a: None, raising=False)  # varlen, CPU
+    for config in tune_space(mod):
+        assert tuple(config) == mod.CONFIG_KEYS
+        with FakeTensorMode():  # the wrapper's checks pass on fake CUDA tensors
+            public(script)(*inputs(script), config=config)
+        assert passed[-1] == list(config.values())
+        received.clear()
+        cpu = inputs(script, device="cpu")  # the real implementation, as the dispatcher calls it
+        if script in BACKWARD:
+            monkeypatch.setattr(mod, "attention_backward", implementation(3))
+            q, k, v = cpu
+            mod.attention_backward_op(q, q, k, v, q, q, False, 0.125, passed[-1])
+        else:
+            monkeypatch.setattr(mod, "attention_forward", implementation(2))
+            real_op(*cpu, False, 0.125, passed[-1])
+        assert received == [config]
+
+
+# ----------------------------------------------------------------------------- CPU: torch.compile
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_graph_break(script):
+    """torch._dynamo.explain over the public function on fake CUDA tensors: one graph, no break,
+    holding the operator."""
+    with FakeTensorMode():
+        args = inputs(script)
+        explained = torch._dynamo.explain(lambda *a: public(script)(*a, causal=True))(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    op = SCHEMAS[script][0].split("(")[0].replace("::", ".")
+    assert f"torch.ops.{op}.default" in explained.graphs[0].code
+
+
+@pytest.mark.parametrize("dynamic,compiles", [(False, [1, 2, 3, 3]), (None, [1, 2, 2, 2])])
+def test_recompiles_per_length(dynamic, compiles):
+    """Dense: with dynamic=False each new sequence length compiles again (a length seen before
+    does not); with the default (dynamic=None) the second length recompiles with the lengths
+    symbolic and no later length compiles again."""
+    counter = CompileCounter()
+    step = torch.compile(public(MHA_BWD), backend=counter, fullgraph=True, dynamic=dynamic)
+    seen = []
+    with FakeTensorMode():
+        for S in (128, 256, 384, 128):
+            out = step(*inputs(MHA_BWD, Sq=S, Sk=S), True)
+            assert out.shape[1] == S
+            seen.append(counter.frame_count)
+    assert seen == compiles
+
+
+def test_varlen_compiles_once_with_dynamic_shapes():
+    """Varlen: with dynamic=True one compile serves batches that differ in token count, batch
+    size and max_seqlen, as one TileLang kernel does."""
+    counter = CompileCounter()
+    run = torch.compile(public(MHA_VARLEN), backend=counter, fullgraph=True, dynamic=True)
+    with FakeTensorMode():
+        # (cu_seqlens of B + 1 = 4 entries would be tied to the 4 heads by duck sizing)
+        for B, S in ((2, 50), (2, 90), (6, 120)):
+            out = run(*inputs(MHA_VARLEN, B=B, Sq=S, Sk=S), causal=True)
+            assert out.shape[0] == B * S
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in VARLEN])
+def test_value_errors_eager_and_compiled(script):
+    """Bad input raises the same ValueError eagerly and from torch.compile without fullgraph
+    (the graph breaks there and the check runs eagerly); with fullgraph=True compiling stops
+    with torch._dynamo.exc.Unsupported, whose message holds the ValueError's."""
+    q, k, v = inputs(script, device="cpu")
+    bad = (q, k, v.float())
+    message = "must share a dtype"
+    with pytest.raises(ValueError, match=message):
+        public(script)(*bad)
+    with pytest.raises(ValueError, match=message):
+        torch.compile(public(script), backend="aot_eager")(*bad)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        torch.compile(public(script), backend="aot_eager", fullgraph=True)(*bad)
+
+
+@pytest.mark.parametrize("script", VARLEN)
+def test_varlen_value_checks_run_inside_the_compiled_operator(script):
+    """Varlen checks that read cu_seqlens run in the operator's real implementation: under
+    torch.compile(fullgraph=True) they raise the same ValueError from compiled code, and the
+    values are kept on the caller's tensor, as in eager mode (CPU tensors: every check but the
+    last, the device, passes)."""
+    args = list(inputs(script, B=3, device="cpu"))
+    run = torch.compile(public(script), backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        run(*args)
+    cu_q = args[3]
+    assert cu_q._host_values == (cu_q._version, [0, 5, 10, 15])
+    cu_q[1] = 11  # now decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        run(*args)
+    cu_q[1] = 5
+    with pytest.raises(ValueError, match="max_seqlen_k .4. must be at least"):
+        run(*args[:6], 4)
+
+
+# ----------------------------------------------------------------------------- GPU
+def compare(got, want, rtol, names):
+    for name, a, b in zip(names, got, want, strict=True):
+        err = rel_err(a, b)
+        assert err < rtol, f"{name}: relative error {err:.3e}"
+
+
+def training_step(model, x, dout):
+    """out and the gradients of every parameter and of x."""
+    out = model(x)
+    return (out, *torch.autograd.grad(out, [x, *model.parameters()], dout))
+
+
+def dense_model(script, causal, dtype, heads=4, dim=64):
+    torch.manual_seed(0)
+    model = harness.TwoLayerModel(public(script), heads, dim, causal, layout(script))
+    return model.to("cuda", dtype)
+
+
+def dense_batch(dtype, S, B=2, width=256):
+    x = torch.randn(B, S, width, device="cuda", dtype=dtype, requires_grad=True)
+    return x, torch.randn_like(x)
+
+
+TRAINING = [(MHA_BWD, c, d) for c in (False, True) for d in DTYPES] + [
+    ("flash_attention/example_mha_bwd_bhsd.py", False, torch.float16),
+    ("flash_attention/example_mha_bwd_bhsd.py", True, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script,causal,dtype", TRAINING, ids=[f"{s[16:-3]}-{c}-{d}" for s, c, d in TRAINING]
+)
+def test_compiled_training_step_matches_eager(script, causal, dtype):
+    """The two-layer model, torch.compile(fullgraph=True) against eager: out within 1e-2,
+    gradients (x and every weight) within 2e-2; and no graph break."""
+    model = dense_model(script, causal, dtype)
+    x, dout = dense_batch(dtype, S=300)
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    eager = training_step(model, x, dout)
+    compiled = training_step(torch.compile(model, fullgraph=True), x, dout)
+    compare(compiled[:1], eager[:1], 1e-2, ["out"])  # fp16/bf16 forward
+    names = ["dx"] + [f"d{name}" for name, _ in model.named_parameters()]
+    compare(compiled[1:], eager[1:], 2e-2, names)  # fp16/bf16 gradients
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic,compiles", [(False, [1, 2, 3, 3]), (None, [1, 2, 2, 2])])
+def test_compiled_training_recompiles_per_length(dynamic, compiles):
+    """As test_recompiles_per_length says, on the GPU with inductor and the backward: dynamic=False
+    compiles once per new length, the default once more for the second length and then never;
+    every step matches eager."""
+    model = dense_model(MHA_BWD, True, torch.float16)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=dynamic)
+    seen = []
+    for S in (300, 1000, 2000, 300):
+        x, dout = dense_batch(torch.float16, S)
+        got, want = training_step(compiled, x, dout), training_step(model, x, dout)
+        compare(got[:2], want[:2], 2e-2, ["out", "dx"])
+        seen.append(counter.frame_count)
+    assert seen == compiles
+
+
+class VarlenModel(torch.nn.Module):
+    """Inference: two layers of QKV projection, ``attention_varlen`` over a packed batch, output
+    projection and residual add, on ``x [total, heads * dim]``."""
+
+    def __init__(self, attention_varlen, heads, heads_kv, dim, causal):
+        super().__init__()
+        self.attention_varlen, self.causal = attention_varlen, causal
+        self.shapes = [(heads, dim), (heads_kv, dim), (heads_kv, dim)]
+        width, qkv = heads * dim, (heads + 2 * heads_kv) * dim
+        linear = torch.nn.Linear
+        self.qkv = torch.nn.ModuleList(linear(width, qkv, bias=False) for _ in range(2))
+        self.proj = torch.nn.ModuleList(linear(width, width, bias=False) for _ in range(2))
+
+    def forward(self, x, cu_seqlens, max_seqlen):
+        for qkv, proj in zip(self.qkv, self.proj, strict=True):
+            parts = qkv(x).split([h * d for h, d in self.shapes], dim=-1)
+            q, k, v = (t.view(-1, h, d) for t, (h, d) in zip(parts, self.shapes, strict=True))
+            out = self.attention_varlen(
+                q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.causal
+            )
+            x = x + proj(out.reshape(x.shape))
+        return x
+
+
+def packed_batch(lengths, dtype, width):
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    return torch.randn(sum(lengths), width, device="cuda", dtype=dtype), cu, max(lengths)
+
+
+VARLEN_CASES = [(s, c, d) for s in VARLEN for c, d in ((False, torch.bfloat16), (True, DTYPES[0]))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script,causal,dtype", VARLEN_CASES, ids=[f"{s[16:-3]}-{c}-{d}" for s, c, d in VARLEN_CASES]
+)
+def test_compiled_varlen_inference_matches_eager(script, causal, dtype):
+    """The varlen model compiled with fullgraph=True and dynamic=True against eager on two packed
+    batches (sequences of length 1 beside the longest), within 1e-2: no graph break, one compile
+    for both, cu_seqlens read inside the operator."""
+    torch.manual_seed(0)
+    heads_kv = 2 if "gqa" in script else 4
+    model = VarlenModel(public(script), 4, heads_kv, 64, causal).to("cuda", dtype)
+    batches = [packed_batch(lens, dtype, 256) for lens in ([1, 300, 17, 255], [7, 1000, 64, 1, 9])]
+    explained = torch._dynamo.explain(model)(*batches[0])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for batch in batches:
+        with torch.no_grad():
+            got = compiled(*batch)
+            assert batch[1]._host_values[1] == batch[1].tolist()  # read in the operator, kept
+            compare([got], [model(*batch)], 1e-2, ["out"])  # fp16/bf16 forward
+    assert counter.frame_count == 1
