@@ -39,8 +39,12 @@ IMPLS = ("tilelang compiled", "sdpa_cudnn compiled", "tilelang eager", "sdpa_cud
 
 
 def load(relpath):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(relpath).stem, ROOT / relpath)
+    """Import a script by path. It must be in sys.modules under its name: compiled code
+    (dynamo) looks the operator's module up there when it traces the call."""
+    name = pathlib.Path(relpath).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
