@@ -358,21 +358,24 @@ def varlen_flops(cu_seqlens_q, cu_seqlens_k, heads, dim_qk, dim_v, causal, backw
 class TwoLayerModel(torch.nn.Module):
     """The toy model that tests/test_custom_ops.py and benchmarks/bench_compiled.py compile: two
     layers of QKV projection, ``attention(q, k, v, causal)`` (on ``layout`` "bshd" or "bhsd"),
-    output projection and residual add, on ``x [B, S, heads * dim]``."""
+    output projection and residual add, on ``x [B, S, heads * dim]``. ``heads_kv`` (default
+    ``heads``) fewer than ``heads`` projects k and v to fewer heads, for the GQA scripts."""
 
-    def __init__(self, attention, heads, dim, causal, layout="bshd", layers=2):
+    def __init__(self, attention, heads, dim, causal, layout="bshd", layers=2, heads_kv=None):
         super().__init__()
-        self.attention, self.heads, self.dim = attention, heads, dim
+        self.attention, self.dim = attention, dim
+        self.heads = [heads, heads_kv or heads, heads_kv or heads]  # of q, k, v
         self.causal, self.layout = causal, layout
-        width = heads * dim
+        width, qkv_width = heads * dim, sum(self.heads) * dim
         linear = torch.nn.Linear
-        self.qkv = torch.nn.ModuleList(linear(width, 3 * width, bias=False) for _ in range(layers))
+        self.qkv = torch.nn.ModuleList(linear(width, qkv_width, bias=False) for _ in range(layers))
         self.proj = torch.nn.ModuleList(linear(width, width, bias=False) for _ in range(layers))
 
     def forward(self, x):
         B, S, width = x.shape
         for qkv, proj in zip(self.qkv, self.proj, strict=True):
-            q, k, v = qkv(x).view(B, S, 3, self.heads, self.dim).unbind(2)
+            parts = qkv(x).split([h * self.dim for h in self.heads], dim=-1)
+            q, k, v = (t.view(B, S, h, self.dim) for t, h in zip(parts, self.heads, strict=True))
             if self.layout == "bhsd":
                 q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             out = self.attention(q, k, v, self.causal)

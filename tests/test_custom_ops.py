@@ -10,6 +10,9 @@ kernels; ValueErrors, eager and compiled. GPU (marker ``gpu``): a two-layer mode
 the CPU tests say.
 """
 
+import inspect
+import types
+
 import pytest
 import torch
 from helpers import load_script, rel_err
@@ -20,6 +23,10 @@ import harness
 
 MHA_BWD = "flash_attention/example_mha_bwd_bshd.py"
 MHA_VARLEN = "flash_attention/example_mha_fwd_varlen.py"
+FAST_BWD = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
+GQA_BWD = "flash_attention/example_gqa_bwd.py"  # its operators take a strategy before config
+TMA_BWD = "flash_attention/example_gqa_bwd_tma_reduce.py"
+VARLEN_BWD = "flash_attention/example_gqa_bwd_tma_reduce_varlen.py"
 # script: its operators' schemas (the forward's first; a differentiable script's backward second)
 SCHEMAS = {
     "flash_attention/example_mha_fwd_bshd.py": [
@@ -58,6 +65,36 @@ SCHEMAS = {
         "Tensor lse, bool causal, float softmax_scale, SymInt[]? config) "
         "-> (Tensor, Tensor, Tensor)",
     ],
+    FAST_BWD: [
+        "tl_attn::mha_bwd_wgmma_pipelined_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)",
+        "tl_attn::mha_bwd_wgmma_pipelined_backward(Tensor dout, Tensor q, Tensor k, Tensor v, "
+        "Tensor out, Tensor lse, bool causal, float softmax_scale, SymInt[]? config) "
+        "-> (Tensor, Tensor, Tensor)",
+    ],
+    GQA_BWD: [
+        "tl_attn::gqa_bwd_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, str strategy, SymInt[]? config) -> (Tensor, Tensor)",
+        "tl_attn::gqa_bwd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, bool causal, float softmax_scale, str strategy, SymInt[]? config) "
+        "-> (Tensor, Tensor, Tensor)",
+    ],
+    TMA_BWD: [
+        "tl_attn::gqa_bwd_tma_reduce_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)",
+        "tl_attn::gqa_bwd_tma_reduce_backward(Tensor dout, Tensor q, Tensor k, Tensor v, "
+        "Tensor out, Tensor lse, bool causal, float softmax_scale, SymInt[]? config) "
+        "-> (Tensor, Tensor, Tensor)",
+    ],
+    VARLEN_BWD: [
+        "tl_attn::gqa_bwd_tma_reduce_varlen_forward(Tensor q, Tensor k, Tensor v, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+        "bool causal, float softmax_scale, SymInt[]? config) -> (Tensor, Tensor)",
+        "tl_attn::gqa_bwd_tma_reduce_varlen_backward(Tensor dout, Tensor q, Tensor k, "
+        "Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float softmax_scale, "
+        "SymInt[]? config) -> (Tensor, Tensor, Tensor)",
+    ],
 }
 SCRIPTS = list(SCHEMAS)
 BACKWARD = [s for s in SCRIPTS if "bwd" in s]
@@ -69,11 +106,14 @@ def layout(script):
     return "varlen" if "varlen" in script else "bhsd" if "bhsd" in script else "bshd"
 
 
-def inputs(script, B=2, Sq=5, Sk=7, H=4, D=64, dtype=torch.float16, device="cuda"):
+def inputs(
+    script, B=2, Sq=5, Sk=7, H=4, D=64, dtype=torch.float16, device="cuda", Dv=None, Hkv=None
+):
     """The operator's tensor (and int) arguments: q, k, v, then for varlen cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k (B sequences of Sq queries and Sk keys). GQA
-    scripts get half as many kv heads."""
-    Hkv = H // 2 if "gqa" in script else H
+    scripts get half as many kv heads unless ``Hkv`` says; ``Dv`` is v's head dim (default D)."""
+    Hkv = Hkv or (H // 2 if "gqa" in script else H)
+    Dv = Dv or D
 
     def empty(*shape):
         return torch.empty(*shape, device=device, dtype=dtype)
@@ -82,11 +122,14 @@ def inputs(script, B=2, Sq=5, Sk=7, H=4, D=64, dtype=torch.float16, device="cuda
         cu_q, cu_k = (torch.arange(B + 1, device=device, dtype=torch.int32) * S for S in (Sq, Sk))
         return empty(B * Sq, H, D), empty(B * Sk, Hkv, D), empty(B * Sk, Hkv, D), cu_q, cu_k, Sq, Sk
     if layout(script) == "bhsd":
-        return empty(B, H, Sq, D), empty(B, Hkv, Sk, D), empty(B, Hkv, Sk, D)
-    return empty(B, Sq, H, D), empty(B, Sk, Hkv, D), empty(B, Sk, Hkv, D)
+        return empty(B, H, Sq, D), empty(B, Hkv, Sk, D), empty(B, Hkv, Sk, Dv)
+    return empty(B, Sq, H, D), empty(B, Sk, Hkv, D), empty(B, Sk, Hkv, Dv)
 
 
-def lse_shape(script, q):
+def lse_shape(script, args):
+    q = args[0]
+    if script == VARLEN_BWD:  # [H, stats_len]: each sequence's row starts 16-byte aligned
+        return (q.shape[1], load_script(script).stats_len(q.shape[0], args[3].shape[0] - 1))
     if layout(script) == "varlen":
         return (q.shape[1], q.shape[0])  # [H, total_q]
     return (q.shape[0], q.shape[2], q.shape[1]) if layout(script) == "bshd" else q.shape[:3]
@@ -95,6 +138,29 @@ def lse_shape(script, q):
 def public(script):
     mod = load_script(script)
     return mod.attention_varlen if layout(script) == "varlen" else mod.attention
+
+
+def strategy(script, name="group"):
+    """example_gqa_bwd.py's operators take the strategy between softmax_scale and config (its
+    public function settles the default from the device's arch, which a CPU has not): the
+    arguments to put there, and the keyword for the public function."""
+    return ((name,), {"strategy": name}) if script == GQA_BWD else ((), {})
+
+
+def settings(script, causal, softmax_scale, config, name="group"):
+    """The operators' arguments after the tensors (and varlen lengths)."""
+    return (causal, softmax_scale, *strategy(script, name)[0], config)
+
+
+def config_keys(mod, name="group"):
+    keys = mod.CONFIG_KEYS
+    return keys[name] if isinstance(keys, dict) else keys
+
+
+def backward_args(script, args, out, lse):
+    """The backward operator's tensor (and int) arguments, with ``out`` as dout too."""
+    q, k, v, *lengths = args  # varlen: cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    return (out, q, k, v, out, lse, *lengths)
 
 
 @pytest.fixture
@@ -129,6 +195,28 @@ def test_operator_schemas(script):
     assert [str(op._opoverload._schema) for op in ops] == SCHEMAS[script]
 
 
+def check_fake_outputs(script, mod, args, causal, name="group"):
+    """The operators and the public function on fake CUDA tensors ``args``: out like q (with
+    v's head dim), lse float32 and contiguous, gradients like q, k, v."""
+    q, k, v = args[:3]
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    out, lse = mod.attention_forward_op(*args, *settings(script, causal, 0.125, None, name))
+    assert (out.shape, out.is_contiguous(), out.dtype) == (out_shape, True, q.dtype)
+    assert lse.shape == lse_shape(script, args) and lse.dtype == torch.float32
+    assert lse.is_contiguous() and out.device == lse.device == q.device
+    if script in BACKWARD:
+        grads = mod.attention_backward_op(
+            *backward_args(script, args, out, lse), *settings(script, causal, 0.125, None, name)
+        )
+        for grad, t in zip(grads, (q, k, v), strict=True):
+            assert (grad.shape, grad.stride(), grad.dtype) == (t.shape, t.stride(), q.dtype)
+        kw = strategy(script, name)[1]
+        assert public(script)(*args, causal=causal, **kw).shape == out_shape
+    else:
+        out, lse = public(script)(*args, causal=causal, return_lse=True)
+        assert out.shape == q.shape and lse.shape == lse_shape(script, args)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
@@ -138,20 +226,29 @@ def test_fake_outputs_are_shaped_like_the_real_ones(script, dtype, causal, no_ke
     gradients like q, k, v."""
     mod = no_kernels(script)
     with FakeTensorMode():
-        args = inputs(script, dtype=dtype)
-        q, k, v = args[:3]
-        out, lse = mod.attention_forward_op(*args, causal, 0.125, None)
-        assert (out.shape, out.stride(), out.dtype) == (q.shape, q.stride(), dtype)
-        assert lse.shape == lse_shape(script, q) and lse.dtype == torch.float32
-        assert lse.is_contiguous() and out.device == lse.device == q.device
-        if script in BACKWARD:
-            grads = mod.attention_backward_op(out, q, k, v, out, lse, causal, 0.125, None)
-            for grad, t in zip(grads, (q, k, v), strict=True):
-                assert (grad.shape, grad.stride(), grad.dtype) == (t.shape, t.stride(), dtype)
-            assert public(script)(q, k, v, causal).shape == q.shape
-        else:
-            out, lse = public(script)(*args, causal=causal, return_lse=True)
-            assert out.shape == q.shape and lse.shape == lse_shape(script, q)
+        check_fake_outputs(script, mod, inputs(script, dtype=dtype), causal)
+
+
+GQA_CASES = [
+    (name, dims)
+    for name in ("group", "atomic", "split")
+    for dims in ((64, 64), (128, 128), (192, 128))
+    if name != "group" or dims[0] == dims[1]  # group builds 64/64 and 128/128
+]
+
+
+@pytest.mark.parametrize(
+    "name,dims", GQA_CASES, ids=[f"{n}-{dqk}-{dv}" for n, (dqk, dv) in GQA_CASES]
+)
+@pytest.mark.parametrize("groups", [1, 4])
+def test_gqa_bwd_fake_outputs_per_strategy_and_head_dims(name, dims, groups, no_kernels):
+    """example_gqa_bwd.py, every strategy with every head-dim pair it builds and groups of 1 and
+    4: out [B, Sq, H, Dv], gradients like q, k, v (dk with Dqk, dv with Dv)."""
+    mod = no_kernels(GQA_BWD)
+    Dqk, Dv = dims
+    with FakeTensorMode():
+        args = inputs(GQA_BWD, H=8, Hkv=8 // groups, D=Dqk, Dv=Dv, dtype=torch.bfloat16)
+        check_fake_outputs(GQA_BWD, mod, args, True, name)
 
 
 def opcheck_cases():
@@ -167,17 +264,18 @@ def test_opcheck_on_meta_tensors(script, which, no_kernels):
     the autograd registration (inputs requiring grad) and the fake implementation under
     AOTAutograd with static and dynamic shapes."""
     mod = no_kernels(script)
-    args = inputs(script, device="meta")
+    gqa = script == GQA_BWD  # its atomic strategy, with Dqk 192 and Dv 128
+    name, dims = ("atomic", dict(D=192, Dv=128)) if gqa else ("group", {})
+    args = inputs(script, device="meta", **dims)
     if which == 0:
         q, k, v = (t.requires_grad_(script in BACKWARD) for t in args[:3])
-        op, args = mod.attention_forward_op, (q, k, v, *args[3:], True, 0.125, None)
+        op = mod.attention_forward_op
+        args = (q, k, v, *args[3:], *settings(script, True, 0.125, None, name))
     else:  # the backward operator is not differentiable itself: plain inputs
-        q, k, v = args
-        out, lse = mod.attention_forward_op(q, k, v, True, 0.125, None)
-        op, args = (
-            mod.attention_backward_op,
-            (out, q, k, v, out, lse, True, 0.125, [64, 32, 1, 128]),
-        )
+        out, lse = mod.attention_forward_op(*args, *settings(script, True, 0.125, None, name))
+        tiles = list(tune_space(mod, name)[0].values())
+        op = mod.attention_backward_op
+        args = (*backward_args(script, args, out, lse), *settings(script, True, 0.125, tiles, name))
     tests = (
         "test_schema",
         "test_autograd_registration",
@@ -190,41 +288,57 @@ def test_opcheck_on_meta_tensors(script, which, no_kernels):
 
 @pytest.mark.parametrize("script", BACKWARD)
 def test_autograd_saves_inputs_and_outputs_and_passes_config_to_backward(script, monkeypatch):
-    """The forward operator's autograd formula saves q, k, v, out, lse (lse not differentiable)
-    and hands the backward operator causal, softmax_scale and the config; on meta tensors."""
+    """The forward operator's autograd formula saves q, k, v, out, lse (lse not differentiable;
+    varlen: and both cu_seqlens) and hands the backward operator causal, softmax_scale, the
+    config (and the strategy; varlen: and both max lengths); on meta tensors."""
     mod = load_script(script)
     seen = []
 
-    def backward_op(dout, q, k, v, out, lse, causal, softmax_scale, config):
-        seen.append((q, k, v, out, lse, causal, softmax_scale, config))
+    def backward_op(dout, q, k, v, out, lse, *rest):
+        seen.append((q, k, v, out, lse, rest))
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(mod, "attention_backward_op", backward_op)
-    q, k, v = (t.requires_grad_() for t in inputs(script, device="meta"))
-    config = dict(block_M=64, block_N=32, num_stages=1, threads=128)
-    tiles = [config[key] for key in mod.CONFIG_KEYS]
-    out, lse = mod.attention_forward_op(q, k, v, True, 0.25, tiles)
+    args = inputs(script, device="meta")
+    q, k, v = (t.requires_grad_() for t in args[:3])
+    config = tune_space(mod)[0]
+    tiles = [config[key] for key in config_keys(mod)]
+    out, lse = mod.attention_forward_op(q, k, v, *args[3:], *settings(script, True, 0.25, tiles))
     assert out.requires_grad and not lse.requires_grad
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    ((sq, sk, sv, sout, slse, causal, scale, got),) = seen
-    assert (causal, scale, dict(zip(mod.CONFIG_KEYS, got, strict=True))) == (True, 0.25, config)
+    ((sq, sk, sv, sout, slse, rest),) = seen
+    want = (*args[3:], *settings(script, True, 0.25, tiles))  # varlen: cu_seqlens and lengths
+    assert [a.shape if isinstance(a, torch.Tensor) else a for a in rest] == [
+        a.shape if isinstance(a, torch.Tensor) else a for a in want
+    ]
+    assert dict(zip(config_keys(mod), rest[-1], strict=True)) == config
     assert sq.shape == q.shape and sout.shape == out.shape and slse.shape == lse.shape
 
 
-def tune_space(mod):
-    params = mod.tune_configs.__code__.co_argcount  # the forward scripts' take the head dim
-    return mod.tune_configs(*[64][:params])
+def tune_space(mod, name="group"):
+    """The tune configs at head dim 64 (the forward scripts', and the GQA ones', take the head
+    dims; example_gqa_bwd.py's, the strategy too)."""
+    params = mod.tune_configs.__code__.co_argcount
+    return mod.tune_configs(*[64, 64, name][:params])
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_config_travels_as_its_values_in_config_keys_order(script, monkeypatch):
-    """attention(config=...) hands the operator the config's values in CONFIG_KEYS order, and
-    the operator's real implementation hands its Python function (the backward's, in a
-    differentiable script) the same dict, for every config --tune tries."""
+CONFIG_CASES = [(s, "group") for s in SCRIPTS] + [(GQA_BWD, "atomic"), (GQA_BWD, "split")]
+
+
+@pytest.mark.parametrize(
+    "script,name", CONFIG_CASES, ids=[f"{s[16:-3]}-{n}" for s, n in CONFIG_CASES]
+)
+def test_config_travels_as_its_values_in_config_keys_order(script, name, monkeypatch):
+    """attention(config=...) hands the operator the config's values in CONFIG_KEYS order (its
+    strategy's, in example_gqa_bwd.py), and the operator's real implementation hands its Python
+    function (the backward's, in a differentiable script) the same dict, for every config --tune
+    tries."""
     mod = load_script(script)
     passed, received = [], []
     real_op = mod.attention_forward_op
+    python_function = mod.attention_backward if script in BACKWARD else mod.attention_forward
+    config_at = list(inspect.signature(python_function).parameters).index("config")
 
     def op(*args):
         passed.append(args[-1])
@@ -232,24 +346,27 @@ def test_config_travels_as_its_values_in_config_keys_order(script, monkeypatch):
 
     def implementation(outputs):  # stands in for attention_forward / attention_backward
         def record(*args):
-            received.append(args[-1])
+            received.append(args[config_at])
             return tuple(torch.empty(0) for _ in range(outputs))
 
         return record
 
     monkeypatch.setattr(mod, "attention_forward_op", op)
     monkeypatch.setattr(mod, "_check_values", lambda *a: None, raising=False)  # varlen, CPU
-    for config in tune_space(mod):
-        assert tuple(config) == mod.CONFIG_KEYS
+    extra, kw = strategy(script, name)
+    for config in tune_space(mod, name):
+        assert tuple(config) == config_keys(mod, name)
         with FakeTensorMode():  # the wrapper's checks pass on fake CUDA tensors
-            public(script)(*inputs(script), config=config)
+            public(script)(*inputs(script), config=config, **kw)
         assert passed[-1] == list(config.values())
         received.clear()
         cpu = inputs(script, device="cpu")  # the real implementation, as the dispatcher calls it
         if script in BACKWARD:
             monkeypatch.setattr(mod, "attention_backward", implementation(3))
-            q, k, v = cpu
-            mod.attention_backward_op(q, q, k, v, q, q, False, 0.125, passed[-1])
+            q = cpu[0]
+            mod.attention_backward_op(
+                *backward_args(script, cpu, q, q), False, 0.125, *extra, passed[-1]
+            )
         else:
             monkeypatch.setattr(mod, "attention_forward", implementation(2))
             real_op(*cpu, False, 0.125, passed[-1])
@@ -261,12 +378,38 @@ def test_config_travels_as_its_values_in_config_keys_order(script, monkeypatch):
 def test_no_graph_break(script):
     """torch._dynamo.explain over the public function on fake CUDA tensors: one graph, no break,
     holding the operator."""
+    kw = strategy(script)[1]
     with FakeTensorMode():
         args = inputs(script)
-        explained = torch._dynamo.explain(lambda *a: public(script)(*a, causal=True))(*args)
+        explained = torch._dynamo.explain(lambda *a: public(script)(*a, causal=True, **kw))(*args)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     op = SCHEMAS[script][0].split("(")[0].replace("::", ".")
     assert f"torch.ops.{op}.default" in explained.graphs[0].code
+
+
+DEFAULT_STRATEGIES = [((9, 0), 64, "group"), ((9, 0), 192, "atomic"), ((8, 0), 64, "atomic")]
+
+
+@pytest.mark.parametrize(
+    "capability,Dqk,expected",
+    DEFAULT_STRATEGIES,
+    ids=[f"sm{ma}{mi}-D{d}-{e}" for (ma, mi), d, e in DEFAULT_STRATEGIES],
+)
+def test_gqa_bwd_default_strategy_is_settled_in_traced_code(capability, Dqk, expected, monkeypatch):
+    """example_gqa_bwd.py without a strategy: default_strategy, from the device's arch
+    (torch.cuda.get_device_capability, which dynamo records in the graph and reads as
+    constants), picks it before the operator is called, without a graph break, and it reaches
+    the operator as a string. A CPU has no device to ask: torch.cuda.get_device_properties,
+    which get_device_capability reads, stands in for an H100 (9, 0) or an A100 (8, 0)."""
+    major, minor = capability
+    props = types.SimpleNamespace(major=major, minor=minor)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    with FakeTensorMode():
+        args = inputs(GQA_BWD, D=Dqk, Dv=128 if Dqk == 192 else None)
+        explained = torch._dynamo.explain(lambda *a: public(GQA_BWD)(*a, causal=True))(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    assert "torch.ops.tl_attn.gqa_bwd_forward.default" in explained.graphs[0].code
+    assert f", '{expected}', None)" in explained.graphs[0].code
 
 
 @pytest.mark.parametrize("dynamic,compiles", [(False, [1, 2, 3, 3]), (None, [1, 2, 2, 2])])
@@ -349,8 +492,13 @@ def training_step(model, x, dout):
 
 
 def dense_model(script, causal, dtype, heads=4, dim=64):
+    """The two-layer model around the script's ``attention`` (GQA scripts: half as many kv
+    heads)."""
     torch.manual_seed(0)
-    model = harness.TwoLayerModel(public(script), heads, dim, causal, layout(script))
+    heads_kv = heads // 2 if "gqa" in script else heads
+    model = harness.TwoLayerModel(
+        public(script), heads, dim, causal, layout(script), heads_kv=heads_kv
+    )
     return model.to("cuda", dtype)
 
 
@@ -359,9 +507,12 @@ def dense_batch(dtype, S, B=2, width=256):
     return x, torch.randn_like(x)
 
 
-TRAINING = [(MHA_BWD, c, d) for c in (False, True) for d in DTYPES] + [
+# example_gqa_bwd.py runs its default strategy, "group" on Hopper at D64 (the test checks).
+TRAINING = [(s, c, d) for s in (MHA_BWD, FAST_BWD, GQA_BWD) for c in (False, True) for d in DTYPES]
+TRAINING += [
     ("flash_attention/example_mha_bwd_bhsd.py", False, torch.float16),
     ("flash_attention/example_mha_bwd_bhsd.py", True, torch.bfloat16),
+    (TMA_BWD, True, torch.float16),
 ]
 
 
@@ -376,6 +527,8 @@ def test_compiled_training_step_matches_eager(script, causal, dtype):
     x, dout = dense_batch(dtype, S=300)
     explained = torch._dynamo.explain(model)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    if script == GQA_BWD:  # default_strategy, settled in traced code from the device's arch
+        assert "'group', None)" in explained.graphs[0].code
     torch._dynamo.reset()
     eager = training_step(model, x, dout)
     compiled = training_step(torch.compile(model, fullgraph=True), x, dout)
@@ -403,8 +556,9 @@ def test_compiled_training_recompiles_per_length(dynamic, compiles):
 
 
 class VarlenModel(torch.nn.Module):
-    """Inference: two layers of QKV projection, ``attention_varlen`` over a packed batch, output
-    projection and residual add, on ``x [total, heads * dim]``."""
+    """Two layers of QKV projection, ``attention_varlen`` over a packed batch, output projection
+    and residual add, on ``x [total, heads * dim]`` (inference; training with the varlen
+    backward script)."""
 
     def __init__(self, attention_varlen, heads, heads_kv, dim, causal):
         super().__init__()
@@ -431,6 +585,23 @@ def packed_batch(lengths, dtype, width):
     return torch.randn(sum(lengths), width, device="cuda", dtype=dtype), cu, max(lengths)
 
 
+def compiled_varlen_model(script, causal, dtype):
+    """The varlen model around the script's ``attention_varlen`` (GQA: half as many kv heads) and
+    two packed batches (sequences of length 1 beside the longest); with no graph break on the
+    first, returns model, batches, the model compiled with fullgraph=True and dynamic=True, and
+    its compile counter."""
+    torch.manual_seed(0)
+    heads_kv = 2 if "gqa" in script else 4
+    model = VarlenModel(public(script), 4, heads_kv, 64, causal).to("cuda", dtype)
+    batches = [packed_batch(lens, dtype, 256) for lens in ([1, 300, 17, 255], [7, 1000, 64, 1, 9])]
+    explained = torch._dynamo.explain(model)(*batches[0])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    return model, batches, compiled, counter
+
+
 VARLEN_CASES = [(s, c, d) for s in VARLEN for c, d in ((False, torch.bfloat16), (True, DTYPES[0]))]
 
 
@@ -442,18 +613,36 @@ def test_compiled_varlen_inference_matches_eager(script, causal, dtype):
     """The varlen model compiled with fullgraph=True and dynamic=True against eager on two packed
     batches (sequences of length 1 beside the longest), within 1e-2: no graph break, one compile
     for both, cu_seqlens read inside the operator."""
-    torch.manual_seed(0)
-    heads_kv = 2 if "gqa" in script else 4
-    model = VarlenModel(public(script), 4, heads_kv, 64, causal).to("cuda", dtype)
-    batches = [packed_batch(lens, dtype, 256) for lens in ([1, 300, 17, 255], [7, 1000, 64, 1, 9])]
-    explained = torch._dynamo.explain(model)(*batches[0])
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    model, batches, compiled, counter = compiled_varlen_model(script, causal, dtype)
     for batch in batches:
         with torch.no_grad():
             got = compiled(*batch)
             assert batch[1]._host_values[1] == batch[1].tolist()  # read in the operator, kept
             compare([got], [model(*batch)], 1e-2, ["out"])  # fp16/bf16 forward
+    assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "causal,dtype",
+    [(False, torch.bfloat16), (True, torch.float16)],
+    ids=["False-torch.bfloat16", "True-torch.float16"],
+)
+def test_compiled_varlen_training_matches_eager(causal, dtype):
+    """The varlen backward (example_gqa_bwd_tma_reduce_varlen.py) in the varlen model, compiled
+    with fullgraph=True and dynamic=True, against eager on two packed batches (sequences of
+    length 1 beside the longest): out within 1e-2, gradients (x and every weight) within 2e-2;
+    no graph break, one compile for both, cu_seqlens read inside the forward operator."""
+    model, batches, compiled, counter = compiled_varlen_model(VARLEN_BWD, causal, dtype)
+    names = ["out", "dx"] + [f"d{name}" for name, _ in model.named_parameters()]
+    for x, cu, max_seqlen in batches:
+        x.requires_grad_()
+        dout = torch.randn_like(x)
+        steps = []
+        for run in (compiled, model):
+            out = run(x, cu, max_seqlen)
+            steps.append((out, *torch.autograd.grad(out, [x, *model.parameters()], dout)))
+        assert cu._host_values[1] == cu.tolist()  # read in the operator, kept
+        compare(steps[0][:1], steps[1][:1], 1e-2, names[:1])  # fp16/bf16 forward
+        compare(steps[0][1:], steps[1][1:], 2e-2, names[1:])  # fp16/bf16 gradients
     assert counter.frame_count == 1

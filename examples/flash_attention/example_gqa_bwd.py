@@ -63,6 +63,11 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
         ``default_config``.
     Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_bwd_forward``
+(``torch.library``), whose autograd formula calls ``tl_attn::gqa_bwd_backward``, so
+``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
+break; ``strategy`` is settled before the call and travels as a string.
+
 Run:
     python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal
     python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal --strategy split
@@ -603,7 +608,9 @@ def attention_forward(q, k, v, causal, softmax_scale):
     B, Sq, H, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     if Dqk == Dv and device_arch(q.device).startswith("sm_90"):
-        return fast_fwd.attention(q, k, v, causal, softmax_scale, return_lse=True)
+        # The sibling's plain function, not its attention(): that would check again and call
+        # its operator inside this script's, a second dispatch that adds nothing.
+        return fast_fwd.attention_forward(q, k, v, causal, softmax_scale)
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
@@ -654,26 +661,74 @@ def attention_backward(
     return dq, dk, dv
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """Forward kernel + saved lse; backward kernels. (No torch.compile here: the kernels are
-    already compiled, and compiling an autograd.Function class changes nothing but the trace.)"""
+# torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
+# example_mha_bwd_bshd.py. The strategy is an operator argument (a string), settled before the
+# call: default_strategy needs only the device's arch, which traced code can read. A config's
+# keys depend on the strategy, so CONFIG_KEYS holds one order per strategy; "group" runs
+# example_mha_bwd_wgmma_pipelined.py's plain attention_backward inside this script's operator.
+CONFIG_KEYS = {
+    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages
+    "atomic": ("block_M", "block_N", "num_stages", "threads"),
+    "split": ("block_M", "block_N", "num_stages", "threads"),
+}
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, strategy, config):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        out, lse = attention_forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
-        ctx.strategy, ctx.config = strategy, config
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.config, ctx.strategy
-        )
-        return dq, dk, dv, None, None, None, None
+@torch.library.custom_op("tl_attn::gqa_bwd_forward", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    strategy: str,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, softmax_scale)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, causal, softmax_scale, strategy, config):
+    B, Sq, H, _ = q.shape
+    out = q.new_empty(B, Sq, H, v.shape[3])  # Dv, which may differ from Dqk
+    return out, q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("tl_attn::gqa_bwd_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    strategy: str,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = dict(zip(CONFIG_KEYS[strategy], config, strict=True)) if config else None
+    return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, cfg, strategy)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, softmax_scale, strategy, config):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, strategy, config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.settings = (causal, softmax_scale, strategy, config)
+
+
+def backward(ctx, dout, dlse):
+    dq, dk, dv = attention_backward_op(dout, *ctx.saved_tensors, *ctx.settings)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, strategy=None, config=None):
@@ -689,7 +744,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, strategy=None, config=N
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if strategy is None:
         strategy = default_strategy(q.shape[-1], v.shape[-1], device_arch(q.device))
-    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale), strategy, config)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
+    out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale), strategy, tiles)
+    return out
 
 
 # ----------------------------------------------------------------------------- reference

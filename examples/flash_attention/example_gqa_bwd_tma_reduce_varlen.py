@@ -60,6 +60,12 @@ API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.m
         default ``default_config``.
     Returns out: (total_q, nheads, headdim), differentiable (``torch.autograd``).
 
+Underneath, ``attention_varlen`` calls the custom operator
+``tl_attn::gqa_bwd_tma_reduce_varlen_forward`` (``torch.library``), which also reads and checks
+the ``cu_seqlens`` values, and whose autograd formula calls
+``tl_attn::gqa_bwd_tma_reduce_varlen_backward``, so ``torch.compile(model, fullgraph=True)``
+compiles a training step around it without a graph break.
+
 Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --groups 4 --causal
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --compile-only  # no GPU
@@ -67,7 +73,6 @@ Run:
 
 import math
 import numbers
-import operator
 import pathlib
 import sys
 
@@ -585,10 +590,10 @@ def _host_values(cu):
 def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
 ):
-    """ValueError naming the first bad argument; the device last, so any other needs no GPU.
-    Each cu_seqlens: int32, contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by
-    both, on q's device, 0 first, non-decreasing, last = its token count. Its values must be seen
-    to be checked, on every call; they are read from the device once per tensor (``_host_values``).
+    """ValueError naming the first bad argument, from metadata alone (types, shapes, dtypes,
+    devices), which torch.compile traces without a graph break. Each cu_seqlens: int32,
+    contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by both, on q's device; each
+    max_seqlen an int. What needs cu_seqlens' values, and the CUDA check, is ``_check_values``.
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -616,11 +621,10 @@ def _check_inputs(
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    sides = (
-        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
-    )
-    for side, cu, total, max_seqlen in sides:
+    for side, cu, max_seqlen in (
+        ("q", cu_seqlens_q, max_seqlen_q),
+        ("k", cu_seqlens_k, max_seqlen_k),
+    ):
         name = f"cu_seqlens_{side}"
         if not isinstance(cu, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -639,6 +643,21 @@ def _check_inputs(
                 f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                 f"{cu_seqlens_q.shape[0]} and {cu.shape[0]}"
             )
+        integer = numbers.Integral | torch.SymInt  # SymInt: a length torch.compile made dynamic
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, integer):
+            raise ValueError(f"max_seqlen_{side} must be an int, got {type(max_seqlen).__name__}")
+
+
+def _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The checks that need cu_seqlens' values (0 first, non-decreasing, last = its token count,
+    max_seqlen at least the longest sequence), on every call; then the device, last, so any other
+    needs no GPU. The values are read from the device once per tensor (``_host_values``)."""
+    sides = (
+        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
+    )
+    for side, cu, total, max_seqlen in sides:
+        name = f"cu_seqlens_{side}"
         values = _host_values(cu)
         lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
         if values[0] != 0:
@@ -651,9 +670,7 @@ def _check_inputs(
                 f"tensor), got {values[-1]}"
             )
         name, longest = f"max_seqlen_{side}", max(lengths, default=0)
-        if isinstance(max_seqlen, bool) or not hasattr(max_seqlen, "__index__"):
-            raise ValueError(f"{name} must be an int, got {type(max_seqlen).__name__}")
-        if operator.index(max_seqlen) < longest:
+        if max_seqlen < longest:
             raise ValueError(
                 f"{name} ({max_seqlen}) must be at least the longest sequence, {longest}"
             )
@@ -713,42 +730,84 @@ def attention_backward(
     return dq, dk, dv
 
 
-class FlashAttnVarlenFunc(torch.autograd.Function):
-    """Forward kernel + saved lse; backward kernels. (No torch.compile here: the kernels are
-    already compiled, and compiling an autograd.Function class changes nothing but the trace.)
-    Saved for the backward: q, k, v, out, lse and the two cu_seqlens — nothing else."""
+# torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
+# example_mha_bwd_bshd.py, with example_gqa_fwd_varlen.py's cu_seqlens reads: the checks that
+# read them run in the forward operator's real implementation, never in traced code. Its
+# autograd formula saves q, k, v, out, lse (the aligned stats layout) and both cu_seqlens, and
+# calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "threads")
 
-    @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        softmax_scale,
-        config,
-    ):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        out, lse = attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.settings = ((max_seqlen_q, max_seqlen_k), causal, softmax_scale, config)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        max_seqlens, causal, softmax_scale, config = ctx.settings
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-            max_seqlens, causal, softmax_scale, config,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
+@torch.library.custom_op("tl_attn::gqa_bwd_tma_reduce_varlen_forward", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale
+    )
+
+
+@attention_forward_op.register_fake
+def _(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, config
+):
+    total_q, H, _ = q.shape
+    stats = stats_len(total_q, cu_seqlens_q.shape[0] - 1)
+    return torch.empty_like(q), q.new_empty(H, stats, dtype=torch.float32)
+
+
+@torch.library.custom_op("tl_attn::gqa_bwd_tma_reduce_varlen_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    return attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, (max_seqlen_q, max_seqlen_k),
+        causal, softmax_scale, cfg,
+    )  # fmt: skip
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *settings):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *settings = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.settings = settings  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, config
+
+
+def backward(ctx, dout, dlse):
+    dq, dk, dv = attention_backward_op(dout, *ctx.saved_tensors, *ctx.settings)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def attention_varlen(
@@ -768,17 +827,20 @@ def attention_varlen(
     ``cu_seqlens_q/k`` int32 ``[B + 1]`` on the same device, ``max_seqlen_q/k`` Python ints →
     ``out [total_q, H, D]``. ``config`` overrides the backward tiles (see ``default_config``).
     The inputs are validated, which reads each ``cu_seqlens`` tensor back to the host once
-    (see ``_host_values``).
+    (see ``_host_values``), inside the operator.
     """
     _check_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
     )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttnVarlenFunc.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-        bool(causal), float(softmax_scale), config,
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, _ = attention_forward_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        float(softmax_scale), tiles,
     )  # fmt: skip
+    return out
 
 
 # ----------------------------------------------------------------------------- references

@@ -88,6 +88,11 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     Returns out: (batch, seqlen_q, nheads, headdim), differentiable
         (``torch.autograd``): its backward runs the three backward kernels above.
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::mha_bwd_wgmma_pipelined_forward``
+(``torch.library``), whose autograd formula calls ``tl_attn::mha_bwd_wgmma_pipelined_backward``,
+so ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
+break.
+
 Run:
     python examples/flash_attention/example_mha_bwd_wgmma_pipelined.py --causal
     python examples/flash_attention/example_mha_bwd_wgmma_pipelined.py --tune
@@ -597,9 +602,12 @@ def _check_inputs(q, k, v, causal, softmax_scale):
 
 
 def attention_forward(q, k, v, causal, softmax_scale):
-    """example_mha_fwd_bshd.py's persistent forward: ``out [B, Sq, H, D]`` and
-    ``lse [B, H, Sq]`` (float32, natural log)."""
-    return fwd.attention(q, k, v, causal, softmax_scale, return_lse=True)
+    """example_mha_fwd_bshd.py's persistent forward, on checked, contiguous input: ``out
+    [B, Sq, H, D]`` and ``lse [B, H, Sq]`` (float32, natural log). The sibling's plain function,
+    not its ``attention``: that would check the input again and call its operator,
+    tl_attn::mha_fwd_bshd, inside this script's forward operator — a second dispatch that adds
+    nothing, since torch.compile and autograd see only the outer operator."""
+    return fwd.attention_forward(q, k, v, causal, softmax_scale)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
@@ -628,24 +636,65 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     return dq, dk, dv
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """Forward (example_mha_fwd_bshd.py's kernel) saves (q, k, v, out, lse); backward runs
-    preprocess, backward, postprocess."""
+# torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
+# example_mha_bwd_bshd.py: the forward operator's autograd formula saves q, k, v, out, lse and
+# calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages")
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, config):
-        out, lse = attention_forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.config
-        )
-        return dq, dk, dv, None, None, None
+@torch.library.custom_op("tl_attn::mha_bwd_wgmma_pipelined_forward", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, softmax_scale)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, causal, softmax_scale, config):
+    B, Sq, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("tl_attn::mha_bwd_wgmma_pipelined_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, cfg)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, softmax_scale, config):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.settings = (causal, softmax_scale, config)
+
+
+def backward(ctx, dout, dlse):
+    dq, dk, dv = attention_backward_op(dout, *ctx.saved_tensors, *ctx.settings)
+    return dq, dk, dv, None, None, None
+
+
+attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, config=None):
@@ -656,7 +705,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    return FlashAttnFunc.apply(q, k, v, causal, float(softmax_scale), config)
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale), tiles)
+    return out
 
 
 # ----------------------------------------------------------------------------- reference
