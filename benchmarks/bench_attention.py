@@ -169,10 +169,9 @@ def backward_shape(impls, heads_kv, B, H, S, D, causal, dtype_name):
     scale = D**-0.5
     peers_fwd_bwd, peers = harness.sdpa_backward_peers(q, k, v, dout, causal, scale)
     ref = peers["sdpa_cudnn"]()
+    saved = {name: m.attention_forward(q, k, v, causal, scale) for name, m in impls.items()}
     ours = {
-        name: lambda m=m, f=m.attention_forward(q, k, v, causal, scale): m.attention_backward(
-            dout, q, k, v, *f, causal, scale
-        )
+        name: lambda m=m, f=saved[name]: m.attention_backward(dout, q, k, v, *f, causal, scale)
         for name, m in impls.items()
     }
     rels = {}
