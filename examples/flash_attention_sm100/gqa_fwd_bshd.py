@@ -193,7 +193,8 @@ def flashattn_fwd(
             # Accumulators live in tensor memory: S = Q Kᵀ and this block's P V.
             S_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
             PV_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
-            # P, the A operand of GEMM 2: in TMEM (ts) or in shared memory (ss).
+            # P, the A operand of GEMM 2: in TMEM (ts) or in shared memory (ss); the other name
+            # is None, so that one pv macro takes both.
             P_tmem = T.alloc_tmem([block_M, block_N], dtype) if use_ts else None
             P_shared = None if use_ts else T.alloc_shared([block_M, block_N], dtype)
             s_ready = T.alloc_barrier(1)  # GEMM 1 done (one arrival: the MMA's commit)
