@@ -347,6 +347,86 @@ def flashattn_bwd_varlen(
     total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
     stats_len = T.dynamic("stats_len")  # lse/Delta rows in the aligned layout (docstring)
 
+    # The steps of one query block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(K_shared, Q_shared, acc_s):
+        # Sᵀ = K Qᵀ of one query block.
+        T.gemm(
+            K_shared,
+            Q_shared,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def probabilities(
+        k, key0, key_tail, first_unmasked, seq_len_q, seq_len_k, offset, lse_shared, acc_s
+    ):
+        # Pᵀ = exp2(Sᵀ·scale − lse·log2 e); lse = +inf (a row with no key) gives 0 and so dq = 0.
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
+        # Columns past seq_len_q are the next sequence's queries (their stats columns may be
+        # the unwritten gap after this sequence) and rows past seq_len_k its keys: a select
+        # (not a product) zeroes them, whatever exp2 gave there, NaN included.
+        if key_tail or k < first_unmasked or (k + 1) * block_N > seq_len_q:
+            for i, j in T.Parallel(block_M, block_N):
+                key = key0 + i
+                query = k * block_N + j
+                visible = key < seq_len_k and query < seq_len_q
+                if causal:
+                    visible = visible and key <= query + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
+
+    @T.macro
+    def dp(V_shared, dO_shared, acc_dp):
+        # dPᵀ = V dOᵀ.
+        T.gemm(
+            V_shared,
+            dO_shared,
+            acc_dp,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def dv_update(acc_s, acc_s_cast, dO_shared, dv):
+        # dV += Pᵀ dO, Pᵀ straight from registers.
+        T.copy(acc_s, acc_s_cast)
+        T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def ds(acc_s, acc_dp, delta_shared, ds_cast):
+        # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
+        for i, j in T.Parallel(block_M, block_N):
+            ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
+
+    @T.macro
+    def dk_update(ds_cast, Q_shared, dk):
+        # dK += dSᵀ Q.
+        T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def dq_accumulate(q0, by, ds_cast, ds_shared, K_shared, dq, dq_shared, dQ):
+        # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
+        # transposed, then one TMA reduce-add per tile (zeros past the sequence end, rows past
+        # total_q dropped by the TMA unit).
+        T.copy(ds_cast, ds_shared)
+        T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
+        T.copy(dq, dq_shared)
+        T.atomic_add(dQ[by, q0 : q0 + block_N, :], dq_shared, use_tma=True)
+
+    @T.macro
+    def epilogue(dv, dk, dV, dK, k_offset, key0, by):
+        # One regional atomic per tile, from registers (vectorized, bounds-checked rows): the
+        # group's query heads meet in the same dK/dV.
+        kv0 = k_offset + key0
+        T.atomic_add(dV[kv0 : kv0 + block_M, by // groups, :], dv)
+        T.atomic_add(dK[kv0 : kv0 + block_M, by // groups, :], dk)
+
     @T.prim_func
     def flash_bwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
@@ -425,64 +505,29 @@ def flashattn_bwd_varlen(
                 for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
                     q0 = q_offset + k * block_N  # first packed row of this query block
                     T.copy(Q[q0 : q0 + block_N, by, :], Q_shared)
-                    T.gemm(
-                        K_shared,
-                        Q_shared,
-                        acc_s,
-                        transpose_B=True,
-                        clear_accum=True,
-                        policy=T.GemmWarpPolicy.FullRow,
-                    )
+                    scores(K_shared, Q_shared, acc_s)
                     s0 = stats0 + k * block_N  # this query block's first stats column
                     T.copy(lse[by, s0 : s0 + block_N], lse_shared)
-                    # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
-                    # Columns past seq_len_q are the next sequence's queries (their stats
-                    # columns may be the unwritten gap after this sequence) and rows past
-                    # seq_len_k its keys: a select (not a product) zeroes them, whatever
-                    # exp2 gave there, NaN included.
-                    if key_tail or k < first_unmasked or (k + 1) * block_N > seq_len_q:
-                        for i, j in T.Parallel(block_M, block_N):
-                            key = key0 + i
-                            query = k * block_N + j
-                            visible = key < seq_len_k and query < seq_len_q
-                            if causal:
-                                visible = visible and key <= query + offset
-                            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
-
-                    T.copy(dO[q0 : q0 + block_N, by, :], dO_shared)
-                    T.gemm(
-                        V_shared,
-                        dO_shared,
-                        acc_dp,
-                        transpose_B=True,
-                        clear_accum=True,
-                        policy=T.GemmWarpPolicy.FullRow,
+                    probabilities(
+                        k,
+                        key0,
+                        key_tail,
+                        first_unmasked,
+                        seq_len_q,
+                        seq_len_k,
+                        offset,
+                        lse_shared,
+                        acc_s,
                     )
-                    T.copy(acc_s, acc_s_cast)
-                    T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
-
+                    T.copy(dO[q0 : q0 + block_N, by, :], dO_shared)
+                    dp(V_shared, dO_shared, acc_dp)
+                    dv_update(acc_s, acc_s_cast, dO_shared, dv)
                     T.copy(Delta[by, s0 : s0 + block_N], delta_shared)
-                    for i, j in T.Parallel(block_M, block_N):
-                        ds_cast[i, j] = (
-                            acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
-                        )
-                    T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+                    ds(acc_s, acc_dp, delta_shared, ds_cast)
+                    dk_update(ds_cast, Q_shared, dk)
+                    dq_accumulate(q0, by, ds_cast, ds_shared, K_shared, dq, dq_shared, dQ)
 
-                    # dq needs dsᵀ as an operand: through shared memory.
-                    T.copy(ds_cast, ds_shared)
-                    T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
-                    # One TMA reduce-add per tile (zeros past the sequence end, rows past
-                    # total_q dropped by the TMA unit).
-                    T.copy(dq, dq_shared)
-                    T.atomic_add(dQ[by, q0 : q0 + block_N, :], dq_shared, use_tma=True)
-
-                # One regional atomic per tile, from registers (vectorized, bounds-checked
-                # rows): the group's query heads meet in the same dK/dV.
-                kv0 = k_offset + key0
-                T.atomic_add(dV[kv0 : kv0 + block_M, by // groups, :], dv)
-                T.atomic_add(dK[kv0 : kv0 + block_M, by // groups, :], dk)
+                epilogue(dv, dk, dV, dK, k_offset, key0, by)
 
     return flash_bwd_varlen
 

@@ -277,6 +277,88 @@ def flashattn_bwd(
     q_shape = [batch, heads, seq_q, dim]
     kv_shape = [batch, heads, seq_kv, dim]
 
+    # The steps of one query block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(K_shared, Q_shared, acc_s):
+        # Sᵀ = K Qᵀ of one query block.
+        T.gemm(
+            K_shared,
+            Q_shared,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def probabilities(k, bx, key_tail, lse_shared, acc_s):
+        # Pᵀ = exp2(Sᵀ·scale − lse·log2 e); lse = +inf (row sees no key) gives 0.
+        # A block needs the mask when it holds keys past Sk or queries past Sq (whose
+        # lse/delta are padding), or, causal, when its first query misses the block's
+        # last key.
+        needs_mask = key_tail or (k + 1) * block_N > seq_q
+        if causal:
+            needs_mask = needs_mask or k * block_N + offset < (bx + 1) * block_M - 1
+        if needs_mask:
+            for i, j in T.Parallel(block_M, block_N):
+                key = bx * block_M + i
+                query = k * block_N + j
+                visible = key < seq_kv and query < seq_q
+                if causal:
+                    visible = visible and key <= query + offset
+                acc_s[i, j] = T.if_then_else(
+                    visible, T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E), 0
+                )
+        else:
+            for i, j in T.Parallel(block_M, block_N):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
+
+    @T.macro
+    def dp(V_shared, dO_shared, acc_dp):
+        # dPᵀ = V dOᵀ.
+        T.gemm(
+            V_shared,
+            dO_shared,
+            acc_dp,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def dv_update(acc_s, acc_s_cast, dO_shared, dv):
+        # dV += Pᵀ dO, Pᵀ straight from registers.
+        T.copy(acc_s, acc_s_cast)
+        T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def ds(acc_s, acc_dp, delta_shared, ds_cast):
+        # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
+        for i, j in T.Parallel(block_M, block_N):
+            ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
+
+    @T.macro
+    def dk_update(ds_cast, Q_shared, dk):
+        # dK += dSᵀ Q.
+        T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def dq_accumulate(k, by, bz, ds_cast, ds_shared, K_shared, dq, dQ_accum):
+        # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
+        # transposed, then one whole-tile atomic add (bounds-checked past Sq).
+        T.copy(ds_cast, ds_shared)
+        T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
+        T.atomic_add(dQ_accum[bz, by, k * block_N : (k + 1) * block_N, :], dq)
+
+    @T.macro
+    def epilogue(dv, dk, dV_shared, dK_shared, dV, dK, bx, by, bz):
+        # dK and dV of this key block have no other owner: stored once.
+        T.copy(dv, dV_shared)
+        T.copy(dV_shared, dV[bz, by, bx * block_M : (bx + 1) * block_M, :])
+        T.copy(dk, dK_shared)
+        T.copy(dK_shared, dK[bz, by, bx * block_M : (bx + 1) * block_M, :])
+
     @T.prim_func
     def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
@@ -325,63 +407,17 @@ def flashattn_bwd(
             for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
                 T.copy(Q[bz, by, k * block_N : (k + 1) * block_N, :], Q_shared)
                 T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
-                T.gemm(
-                    K_shared,
-                    Q_shared,
-                    acc_s,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                # Pᵀ = exp2(Sᵀ·scale − lse·log2 e); lse = +inf (row sees no key) gives 0.
-                # A block needs the mask when it holds keys past Sk or queries past Sq (whose
-                # lse/delta are padding), or, causal, when its first query misses the block's
-                # last key.
-                needs_mask = key_tail or (k + 1) * block_N > seq_q
-                if causal:
-                    needs_mask = needs_mask or k * block_N + offset < (bx + 1) * block_M - 1
-                if needs_mask:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = bx * block_M + i
-                        query = k * block_N + j
-                        visible = key < seq_kv and query < seq_q
-                        if causal:
-                            visible = visible and key <= query + offset
-                        acc_s[i, j] = T.if_then_else(
-                            visible, T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E), 0
-                        )
-                else:
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
-
+                scores(K_shared, Q_shared, acc_s)
+                probabilities(k, bx, key_tail, lse_shared, acc_s)
                 T.copy(dO[bz, by, k * block_N : (k + 1) * block_N, :], dO_shared)
                 T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
-                T.gemm(
-                    V_shared,
-                    dO_shared,
-                    acc_dp,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                T.copy(acc_s, acc_s_cast)
-                T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+                dp(V_shared, dO_shared, acc_dp)
+                dv_update(acc_s, acc_s_cast, dO_shared, dv)
+                ds(acc_s, acc_dp, delta_shared, ds_cast)
+                dk_update(ds_cast, Q_shared, dk)
+                dq_accumulate(k, by, bz, ds_cast, ds_shared, K_shared, dq, dQ_accum)
 
-                # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
-                for i, j in T.Parallel(block_M, block_N):
-                    ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
-                T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
-
-                # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
-                # transposed, then one whole-tile atomic add (bounds-checked past Sq).
-                T.copy(ds_cast, ds_shared)
-                T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
-                T.atomic_add(dQ_accum[bz, by, k * block_N : (k + 1) * block_N, :], dq)
-
-            T.copy(dv, dV_shared)
-            T.copy(dV_shared, dV[bz, by, bx * block_M : (bx + 1) * block_M, :])
-            T.copy(dk, dK_shared)
-            T.copy(dK_shared, dK[bz, by, bx * block_M : (bx + 1) * block_M, :])
+            epilogue(dv, dk, dV_shared, dK_shared, dV, dK, bx, by, bz)
 
     return flash_bwd
 

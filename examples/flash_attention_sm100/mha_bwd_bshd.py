@@ -93,6 +93,78 @@ def flashattn_fwd(
     q_shape = [batch, seq_q, heads, dim]
     kv_shape = [batch, seq_kv, heads_kv, dim]
 
+    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(Q_shared, K_shared, S_tmem, s_ready):
+        # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM; one elected thread issues it.
+        T.tcgen05_gemm(Q_shared, K_shared, S_tmem, transpose_B=True, clear_accum=True, mbar=s_ready)
+
+    @T.macro
+    def mask(k, first_masked, bx, acc_s):
+        if k >= first_masked:
+            for i, j in T.Parallel(block_M, block_N):
+                key = k * block_N + j
+                visible = key < seq_kv
+                if causal:
+                    visible = visible and key <= bx * block_M + i + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        # Online softmax: new row max, and the factor that rescales what came before.
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # A row with no visible key yet keeps max = -inf; 0 avoids exp2(-inf + inf).
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def pv(acc_s_cast, P_tmem, P_shared, V_shared, PV_tmem, pv_ready):
+        # GEMM 2: this block's P V into TMEM. ss reads P from shared memory, ts from TMEM.
+        if use_ts:
+            T.copy(acc_s_cast, P_tmem)  # tcgen05.st: registers → TMEM
+            # every warp's P columns must be in TMEM before one thread issues the MMA
+            T.sync_threads()
+            T.tcgen05_gemm(P_tmem, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
+        else:
+            T.copy(acc_s_cast, P_shared)
+            T.tcgen05_gemm(P_shared, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def pv_accumulate(k, pv_ready, PV_tmem, acc_pv, acc_o):
+        # O += this block's P V, once GEMM 2 is done.
+        T.mbarrier_wait_parity(pv_ready, k % 2)
+        T.copy(PV_tmem, acc_pv)
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] += acc_pv[i, j]
+
+    @T.macro
+    def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz):
+        # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        T.copy(acc_o, O_shared)
+        T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
+        for i in T.Parallel(block_M):
+            if bx * block_M + i < seq_q:
+                lse[bz, by, bx * block_M + i] = T.if_then_else(
+                    logsum[i] > 0,
+                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                    T.infinity(accum_dtype),
+                )
+
     @T.prim_func
     def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
@@ -109,10 +181,10 @@ def flashattn_fwd(
             # Accumulators live in tensor memory: S = Q Kᵀ and this block's P V.
             S_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
             PV_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
-            if use_ts:
-                P_tmem = T.alloc_tmem([block_M, block_N], dtype)
-            else:
-                P_shared = T.alloc_shared([block_M, block_N], dtype)
+            # P, the A operand of GEMM 2: in TMEM (ts) or in shared memory (ss); the other name
+            # is None, so that one pv macro takes both.
+            P_tmem = T.alloc_tmem([block_M, block_N], dtype) if use_ts else None
+            P_shared = None if use_ts else T.alloc_shared([block_M, block_N], dtype)
             s_ready = T.alloc_barrier(1)  # GEMM 1 done (one arrival: the MMA's commit)
             pv_ready = T.alloc_barrier(1)  # GEMM 2 done
             acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
@@ -143,66 +215,19 @@ def flashattn_fwd(
             # buffer may be refilled only after the barrier of the GEMM reading it was waited on.
             for k in T.serial(n_blocks):
                 T.copy(K[bz, k * block_N : (k + 1) * block_N, by // groups, :], K_shared)
-                # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM; one elected thread issues it.
-                T.tcgen05_gemm(
-                    Q_shared, K_shared, S_tmem, transpose_B=True, clear_accum=True, mbar=s_ready
-                )
+                scores(Q_shared, K_shared, S_tmem, s_ready)
                 # Load V while GEMM 1 runs: its last reader, GEMM 2 of step k-1, was waited on.
                 T.copy(V[bz, k * block_N : (k + 1) * block_N, by // groups, :], V_shared)
                 T.mbarrier_wait_parity(s_ready, k % 2)  # the barrier completes once per step
                 T.copy(S_tmem, acc_s)  # tcgen05.ld: TMEM → registers
-
-                if k >= first_masked:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = k * block_N + j
-                        visible = key < seq_kv
-                        if causal:
-                            visible = visible and key <= bx * block_M + i + offset
-                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-                # Online softmax: new row max, rescale what was accumulated under the old one.
-                T.copy(scores_max, scores_max_prev)
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    # A row with no visible key yet keeps max = -inf; 0 avoids exp2(-inf + inf).
-                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                mask(k, first_masked, bx, acc_s)
+                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of GEMM 2
+                pv(acc_s_cast, P_tmem, P_shared, V_shared, PV_tmem, pv_ready)
+                rescale(acc_o, scores_scale)  # while GEMM 2 runs
+                pv_accumulate(k, pv_ready, PV_tmem, acc_pv, acc_o)
 
-                # GEMM 2: this block's P V into TMEM. ss reads P from shared memory, ts from TMEM.
-                if use_ts:
-                    T.copy(acc_s_cast, P_tmem)  # tcgen05.st: registers → TMEM
-                    # every warp's P columns must be in TMEM before one thread issues the MMA
-                    T.sync_threads()
-                    T.tcgen05_gemm(P_tmem, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
-                else:
-                    T.copy(acc_s_cast, P_shared)
-                    T.tcgen05_gemm(P_shared, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
-                # Rescale the running output while GEMM 2 runs, then add its result.
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
-                T.mbarrier_wait_parity(pv_ready, k % 2)
-                T.copy(PV_tmem, acc_pv)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] += acc_pv[i, j]
-
-            # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
-            for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-            T.copy(acc_o, O_shared)
-            T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
-            for i in T.Parallel(block_M):
-                if bx * block_M + i < seq_q:
-                    lse[bz, by, bx * block_M + i] = T.if_then_else(
-                        logsum[i] > 0,
-                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                        T.infinity(accum_dtype),
-                    )
+            epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz)
 
     return flash_fwd
 
@@ -236,6 +261,81 @@ def flashattn_bwd(
     offset = seq_kv - seq_q
     q_shape = [batch, seq_q, heads, dim]
     kv_shape = [batch, seq_kv, heads_kv, dim]
+
+    # The steps of one query block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(K_shared, Q_shared, qkT_tmem):
+        # Sᵀ = K Qᵀ into TMEM; the commit of dp, issued next, covers both GEMMs.
+        T.tcgen05_gemm(K_shared, Q_shared, qkT_tmem, transpose_B=True, clear_accum=True, mbar=None)
+
+    @T.macro
+    def dp(V_shared, dO_shared, dpT_tmem, s_ready):
+        # dPᵀ = V dOᵀ into TMEM.
+        T.tcgen05_gemm(
+            V_shared, dO_shared, dpT_tmem, transpose_B=True, clear_accum=True, mbar=s_ready
+        )
+
+    @T.macro
+    def probabilities(q0, bx, lse_shared, qkT):
+        # Pᵀ = exp2(Sᵀ·scale − lse·log2 e), 0 where the key is masked or past Sk, or the query
+        # past Sq; lse = +inf (row sees no key) gives 0 too.
+        for i, j in T.Parallel(block_M, block_N):
+            query = q0 + j
+            visible = query < seq_q and bx * block_M + i < seq_kv
+            if causal:
+                visible = visible and bx * block_M + i <= query + offset
+            qkT[i, j] = T.if_then_else(
+                visible, T.exp2(qkT[i, j] * scale - lse_shared[j] * LOG2E), 0
+            )
+
+    @T.macro
+    def ds(qkT, dpT, delta_shared, dS_cast):
+        # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
+        for i, j in T.Parallel(block_M, block_N):
+            dS_cast[i, j] = qkT[i, j] * (dpT[i, j] - delta_shared[j]) * softmax_scale
+
+    @T.macro
+    def dv_update(P_shared, dO_shared, dv_tmem, step):
+        # dV += Pᵀ dO (the first step starts it).
+        T.tcgen05_gemm(P_shared, dO_shared, dv_tmem, clear_accum=step == 0, mbar=None)
+
+    @T.macro
+    def dk_update(dS_shared, Q_shared, dk_tmem, step):
+        # dK += dSᵀ Q.
+        T.tcgen05_gemm(dS_shared, Q_shared, dk_tmem, clear_accum=step == 0, mbar=None)
+
+    @T.macro
+    def dq_accumulate(step, q0, by, bz, dS_shared, K_shared, dq_tmem, grads_ready, dq, dQ):
+        # dQ (this key block's share) = dS K; this GEMM's commit covers the three gradient
+        # GEMMs. Then one atomic add per element, rows past Sq skipped.
+        T.tcgen05_gemm(
+            dS_shared,
+            K_shared,
+            dq_tmem,
+            transpose_A=True,
+            clear_accum=True,
+            mbar=grads_ready,
+        )
+        T.mbarrier_wait_parity(grads_ready, step % 2)
+        T.copy(dq_tmem, dq)
+        for i, j in T.Parallel(block_N, dim):
+            if q0 + i < seq_q:
+                T.atomic_add(dQ[bz, q0 + i, by, j], dq[i, j])
+
+    @T.macro
+    def epilogue(n_steps, bx, bz, kv_head, dk_tmem, dv_tmem, dk, dv, dK, dV):
+        # A key block that no query sees (n_steps = 0) has dK = dV = 0.
+        T.fill(dk, 0)
+        T.fill(dv, 0)
+        if n_steps > 0:
+            T.copy(dk_tmem, dk)
+            T.copy(dv_tmem, dv)
+        # These keys belong to this block alone: dK/dV are stored, not added.
+        for i, j in T.Parallel(block_M, dim):
+            if bx * block_M + i < seq_kv:
+                dK[bz, bx * block_M + i, kv_head, j] = dk[i, j]
+                dV[bz, bx * block_M + i, kv_head, j] = dv[i, j]
 
     @T.prim_func
     def flash_bwd(
@@ -288,54 +388,22 @@ def flashattn_bwd(
                 T.copy(dO[bz, q0 : q0 + block_N, by, :], dO_shared)
                 T.copy(lse[bz, by, q0 : q0 + block_N], lse_shared)
                 T.copy(delta[bz, by, q0 : q0 + block_N], delta_shared)
-                # Sᵀ and dPᵀ; one commit after the second covers both.
-                T.tcgen05_gemm(
-                    K_shared, Q_shared, qkT_tmem, transpose_B=True, clear_accum=True, mbar=None
-                )
-                T.tcgen05_gemm(
-                    V_shared, dO_shared, dpT_tmem, transpose_B=True, clear_accum=True, mbar=s_ready
-                )
+                scores(K_shared, Q_shared, qkT_tmem)
+                dp(V_shared, dO_shared, dpT_tmem, s_ready)
                 T.mbarrier_wait_parity(s_ready, step % 2)
                 T.copy(qkT_tmem, qkT)
                 T.copy(dpT_tmem, dpT)
-                for i, j in T.Parallel(block_M, block_N):
-                    query = q0 + j
-                    visible = query < seq_q and bx * block_M + i < seq_kv
-                    if causal:
-                        visible = visible and bx * block_M + i <= query + offset
-                    qkT[i, j] = T.if_then_else(
-                        visible, T.exp2(qkT[i, j] * scale - lse_shared[j] * LOG2E), 0
-                    )
-                for i, j in T.Parallel(block_M, block_N):
-                    dS_cast[i, j] = qkT[i, j] * (dpT[i, j] - delta_shared[j]) * softmax_scale
+                probabilities(q0, bx, lse_shared, qkT)
+                ds(qkT, dpT, delta_shared, dS_cast)
+                # Pᵀ and dSᵀ in 16 bits to shared memory: the A operands of the gradient GEMMs.
                 T.copy(qkT, P_cast)
                 T.copy(P_cast, P_shared)
                 T.copy(dS_cast, dS_shared)
-                T.tcgen05_gemm(P_shared, dO_shared, dv_tmem, clear_accum=step == 0, mbar=None)
-                T.tcgen05_gemm(dS_shared, Q_shared, dk_tmem, clear_accum=step == 0, mbar=None)
-                T.tcgen05_gemm(
-                    dS_shared,
-                    K_shared,
-                    dq_tmem,
-                    transpose_A=True,
-                    clear_accum=True,
-                    mbar=grads_ready,
-                )
-                T.mbarrier_wait_parity(grads_ready, step % 2)
-                T.copy(dq_tmem, dq)
-                for i, j in T.Parallel(block_N, dim):
-                    if q0 + i < seq_q:
-                        T.atomic_add(dQ[bz, q0 + i, by, j], dq[i, j])
+                dv_update(P_shared, dO_shared, dv_tmem, step)
+                dk_update(dS_shared, Q_shared, dk_tmem, step)
+                dq_accumulate(step, q0, by, bz, dS_shared, K_shared, dq_tmem, grads_ready, dq, dQ)
 
-            T.fill(dk, 0)
-            T.fill(dv, 0)
-            if n_steps > 0:
-                T.copy(dk_tmem, dk)
-                T.copy(dv_tmem, dv)
-            for i, j in T.Parallel(block_M, dim):
-                if bx * block_M + i < seq_kv:
-                    dK[bz, bx * block_M + i, kv_head, j] = dk[i, j]
-                    dV[bz, bx * block_M + i, kv_head, j] = dv[i, j]
+            epilogue(n_steps, bx, bz, kv_head, dk_tmem, dv_tmem, dk, dv, dK, dV)
 
     return flash_bwd
 

@@ -75,6 +75,57 @@ TMEM_COLUMNS = 512  # 128 lanes × 512 columns of 32 bits per SM
 
 
 # ----------------------------------------------------------------------------- kernels
+def softmax_steps(block_M, block_N, dim, seq_q, seq_kv, causal, offset, scale):
+    """The steps both kernels below share, as T.macros (inlined where they are called): mask a
+    key block's scores, the online softmax over them, the rescale of the running output, and
+    the store of each row's lse."""
+    accum_dtype = "float32"
+    neg_inf = -T.infinity(accum_dtype)
+
+    @T.macro
+    def mask(k, first_masked, bx, acc_s):
+        if k >= first_masked:
+            for i, j in T.Parallel(block_M, block_N):
+                key = k * block_N + j
+                visible = key < seq_kv
+                if causal:
+                    visible = visible and key <= bx * block_M + i + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        # Online softmax: new row max, and the factor that rescales what came before.
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # A row with no visible key yet keeps max = -inf; 0 avoids exp2(-inf + inf).
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def store_lse(logsum, scores_max, lse, bx, by, bz):
+        # lse = +inf for a row with no visible key (logsum = 0).
+        for i in T.Parallel(block_M):
+            if bx * block_M + i < seq_q:
+                lse[bz, by, bx * block_M + i] = T.if_then_else(
+                    logsum[i] > 0,
+                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                    T.infinity(accum_dtype),
+                )
+
+    return mask, softmax, rescale, store_lse
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_fwd(
     batch,
@@ -102,6 +153,46 @@ def flashattn_fwd(
     q_shape = [batch, seq_q, heads, dim]
     kv_shape = [batch, seq_kv, heads, dim]
 
+    mask, softmax, rescale, store_lse = softmax_steps(
+        block_M, block_N, dim, seq_q, seq_kv, causal, offset, scale
+    )
+
+    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(Q_shared, K_shared, S_tmem, s_ready):
+        # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM; one elected thread issues it.
+        T.tcgen05_gemm(Q_shared, K_shared, S_tmem, transpose_B=True, clear_accum=True, mbar=s_ready)
+
+    @T.macro
+    def pv(acc_s_cast, P_tmem, P_shared, V_shared, PV_tmem, pv_ready):
+        # GEMM 2: this block's P V into TMEM. ss reads P from shared memory, ts from TMEM.
+        if use_ts:
+            T.copy(acc_s_cast, P_tmem)  # tcgen05.st: registers → TMEM
+            # every warp's P columns must be in TMEM before one thread issues the MMA
+            T.sync_threads()
+            T.tcgen05_gemm(P_tmem, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
+        else:
+            T.copy(acc_s_cast, P_shared)
+            T.tcgen05_gemm(P_shared, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
+
+    @T.macro
+    def pv_accumulate(k, pv_ready, PV_tmem, acc_pv, acc_o):
+        # O += this block's P V, once GEMM 2 is done.
+        T.mbarrier_wait_parity(pv_ready, k % 2)
+        T.copy(PV_tmem, acc_pv)
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] += acc_pv[i, j]
+
+    @T.macro
+    def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz):
+        # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        T.copy(acc_o, O_shared)
+        T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
+        store_lse(logsum, scores_max, lse, bx, by, bz)
+
     @T.prim_func
     def flash_fwd(
         Q: T.Tensor(q_shape, dtype),
@@ -118,10 +209,10 @@ def flashattn_fwd(
             # Accumulators live in tensor memory: S = Q Kᵀ and this block's P V.
             S_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
             PV_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
-            if use_ts:
-                P_tmem = T.alloc_tmem([block_M, block_N], dtype)
-            else:
-                P_shared = T.alloc_shared([block_M, block_N], dtype)
+            # P, the A operand of GEMM 2: in TMEM (ts) or in shared memory (ss); the other name
+            # is None, so that one pv macro takes both.
+            P_tmem = T.alloc_tmem([block_M, block_N], dtype) if use_ts else None
+            P_shared = None if use_ts else T.alloc_shared([block_M, block_N], dtype)
             s_ready = T.alloc_barrier(1)  # GEMM 1 done (one arrival: the MMA's commit)
             pv_ready = T.alloc_barrier(1)  # GEMM 2 done
             acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
@@ -152,66 +243,19 @@ def flashattn_fwd(
             # buffer may be refilled only after the barrier of the GEMM reading it was waited on.
             for k in T.serial(n_blocks):
                 T.copy(K[bz, k * block_N : (k + 1) * block_N, by, :], K_shared)
-                # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM; one elected thread issues it.
-                T.tcgen05_gemm(
-                    Q_shared, K_shared, S_tmem, transpose_B=True, clear_accum=True, mbar=s_ready
-                )
+                scores(Q_shared, K_shared, S_tmem, s_ready)
                 # Load V while GEMM 1 runs: its last reader, GEMM 2 of step k-1, was waited on.
                 T.copy(V[bz, k * block_N : (k + 1) * block_N, by, :], V_shared)
                 T.mbarrier_wait_parity(s_ready, k % 2)  # the barrier completes once per step
                 T.copy(S_tmem, acc_s)  # tcgen05.ld: TMEM → registers
-
-                if k >= first_masked:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = k * block_N + j
-                        visible = key < seq_kv
-                        if causal:
-                            visible = visible and key <= bx * block_M + i + offset
-                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-                # Online softmax: new row max, rescale what was accumulated under the old one.
-                T.copy(scores_max, scores_max_prev)
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    # A row with no visible key yet keeps max = -inf; 0 avoids exp2(-inf + inf).
-                    scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                mask(k, first_masked, bx, acc_s)
+                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of GEMM 2
+                pv(acc_s_cast, P_tmem, P_shared, V_shared, PV_tmem, pv_ready)
+                rescale(acc_o, scores_scale)  # while GEMM 2 runs
+                pv_accumulate(k, pv_ready, PV_tmem, acc_pv, acc_o)
 
-                # GEMM 2: this block's P V into TMEM. ss reads P from shared memory, ts from TMEM.
-                if use_ts:
-                    T.copy(acc_s_cast, P_tmem)  # tcgen05.st: registers → TMEM
-                    # every warp's P columns must be in TMEM before one thread issues the MMA
-                    T.sync_threads()
-                    T.tcgen05_gemm(P_tmem, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
-                else:
-                    T.copy(acc_s_cast, P_shared)
-                    T.tcgen05_gemm(P_shared, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
-                # Rescale the running output while GEMM 2 runs, then add its result.
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
-                T.mbarrier_wait_parity(pv_ready, k % 2)
-                T.copy(PV_tmem, acc_pv)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] += acc_pv[i, j]
-
-            # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
-            for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-            T.copy(acc_o, O_shared)
-            T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
-            for i in T.Parallel(block_M):
-                if bx * block_M + i < seq_q:
-                    lse[bz, by, bx * block_M + i] = T.if_then_else(
-                        logsum[i] > 0,
-                        (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                        T.infinity(accum_dtype),
-                    )
+            epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz)
 
     return flash_fwd
 
@@ -249,6 +293,36 @@ def flashattn_fwd_wasp(
     neg_inf = -T.infinity(accum_dtype)
     q_shape = [batch, seq_q, heads, dim]
     kv_shape = [batch, seq_kv, heads, dim]
+
+    mask, softmax, rescale, store_lse = softmax_steps(
+        block_M, block_N, dim, seq_q, seq_kv, causal, offset, scale
+    )
+
+    # The MMA warp's two GEMMs and the epilogue, named (T.macro is inlined).
+    @T.macro
+    def scores(stage, Q_shared, K_shared, S_tmem, s_full):
+        # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM.
+        T.tcgen05_gemm(
+            Q_shared,
+            K_shared[stage, :, :],
+            S_tmem,
+            transpose_B=True,
+            clear_accum=True,
+            mbar=s_full,
+        )
+
+    @T.macro
+    def pv(k, stage, P_tmem, V_shared, O_tmem, o_full):
+        # GEMM 2 (mma_ts): O += P V, P read from TMEM; the first block starts O.
+        T.tcgen05_gemm(P_tmem, V_shared[stage, :, :], O_tmem, clear_accum=k == 0, mbar=o_full)
+
+    @T.macro
+    def epilogue(acc_o, acc_o_cast, logsum, scores_max, Output, lse, bx, by, bz):
+        # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o_cast[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        T.copy(acc_o_cast, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
+        store_lse(logsum, scores_max, lse, bx, by, bz)
 
     @T.prim_func
     def flash_fwd_wasp(
@@ -331,20 +405,10 @@ def flashattn_fwd_wasp(
                     stage = k % num_stages
                     T.mbarrier_wait_parity(k_full[stage], (k // num_stages) % 2)
                     T.mbarrier_wait_parity(s_free, k % 2)  # primed for k = 0
-                    T.tcgen05_gemm(
-                        Q_shared,
-                        K_shared[stage, :, :],
-                        S_tmem,
-                        transpose_B=True,
-                        clear_accum=True,
-                        mbar=s_full,
-                    )
+                    scores(stage, Q_shared, K_shared, S_tmem, s_full)
                     T.mbarrier_wait_parity(p_full, k % 2)
                     T.mbarrier_wait_parity(v_full[stage], (k // num_stages) % 2)
-                    # GEMM 2 (mma_ts): O += P V, P read from TMEM; the first block starts O.
-                    T.tcgen05_gemm(
-                        P_tmem, V_shared[stage, :, :], O_tmem, clear_accum=k == 0, mbar=o_full
-                    )
+                    pv(k, stage, P_tmem, V_shared, O_tmem, o_full)
                     # tcgen05.commit: arrives when every MMA issued so far (both GEMMs that read
                     # this stage) has finished, so the DMA warp may refill it.
                     T.tcgen05_mma_arrive(kv_empty[stage])
@@ -356,30 +420,14 @@ def flashattn_fwd_wasp(
                     T.mbarrier_wait_parity(s_full, k % 2)
                     T.copy(S_tmem, acc_s)
                     T.mbarrier_arrive(s_free)  # S is in registers: GEMM 1 of k+1 may start
-                    if k >= first_masked:
-                        for i, j in T.Parallel(block_M, block_N):
-                            key = k * block_N + j
-                            visible = key < seq_kv
-                            if causal:
-                                visible = visible and key <= bx * block_M + i + offset
-                            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-                    T.copy(scores_max, scores_max_prev)
-                    T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                    for i in T.Parallel(block_M):
-                        scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                        scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                    T.reduce_sum(acc_s, scores_sum, dim=1)
-                    for i in T.Parallel(block_M):
-                        logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                    mask(k, first_masked, bx, acc_s)
+                    softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                     T.copy(acc_s, acc_s_cast)
                     if k > 0:
                         # GEMM 2 of block k-1 must be done: it wrote O and read P.
                         T.mbarrier_wait_parity(o_full, (k - 1) % 2)
                         T.copy(O_tmem, acc_o)
-                        for i, j in T.Parallel(block_M, dim):
-                            acc_o[i, j] *= scores_scale[i]
+                        rescale(acc_o, scores_scale)
                         T.copy(acc_o, O_tmem)
                     T.copy(acc_s_cast, P_tmem)
                     T.mbarrier_arrive(p_full)
@@ -389,16 +437,7 @@ def flashattn_fwd_wasp(
                 if n_blocks > 0:
                     T.mbarrier_wait_parity(o_full, (n_blocks - 1) % 2)
                     T.copy(O_tmem, acc_o)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o_cast[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-                T.copy(acc_o_cast, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
-                for i in T.Parallel(block_M):
-                    if bx * block_M + i < seq_q:
-                        lse[bz, by, bx * block_M + i] = T.if_then_else(
-                            logsum[i] > 0,
-                            (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                            T.infinity(accum_dtype),
-                        )
+                epilogue(acc_o, acc_o_cast, logsum, scores_max, Output, lse, bx, by, bz)
 
     return flash_fwd_wasp
 
