@@ -737,8 +737,10 @@ def _window_bound(text):
     return value
 
 
-def build_parser():
-    parser = _harness().base_parser(__doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS)
+def build_parser(description=None, tune=True):
+    """The command line; example_gqa_sink_bwd_bhsd.py shares it (its own title, no --tune)."""
+    description = description or __doc__.splitlines()[0]
+    parser = _harness().base_parser(description, archs=ARCHS, dims=HEAD_DIMS, tune=tune)
     parser.add_argument("--groups", type=int, default=8, help="query heads per kv head")
     parser.add_argument(
         "--window",
