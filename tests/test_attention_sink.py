@@ -673,3 +673,216 @@ def test_main_small(extra, capsys):
     out = capsys.readouterr().out
     assert "out " in out and "lse " in out and "tilelang" in out
     assert "flex_attention" in out and "tilelang dense" in out
+
+
+# ----------------------------------------------------------------------------- backward (CPU)
+BWD = "attention_sink/example_gqa_sink_bwd_bhsd.py"
+
+
+def test_backward_reference_forward_is_the_forward_reference():
+    """The differentiable reference (sink as a logit column) computes what the forward's does."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    for window, causal in (((5, 2), False), ((-1, -1), True), ((3, 0), False)):
+        q, k, v, sinks = make_inputs(2, 30, 20, 4, 2, 16, dtype=torch.float64)
+        for s in (sinks.double(), None):
+            a = bwd.ref_program(q, k, v, s, window, causal, 0.3)
+            b = mod.ref_program(q, k, v, s, window, causal, 0.3)
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window,causal", [((-1, -1), False), ((7, 0), True), ((4, 4), False)])
+def test_sink_grad_matches_autograd(window, causal):
+    """dsinks[h] = −Σ_rows exp(sink_h − lse)·rowsum(O ∘ dO), lse from the forward (the sink
+    included, +inf for rows that see no key), against autograd through the reference."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    q, k, v, sinks = make_inputs(2, 25, 18, 4, 2, 16, dtype=torch.float64)
+    sinks = sinks.double().requires_grad_()
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = bwd.ref_program(q, k, v, sinks, window, causal, 0.3)
+    (expect,) = torch.autograd.grad(out, sinks, dout)
+    out2, lse = mod.ref_program(q, k, v, sinks.detach(), window, causal, 0.3, return_lse=True)
+    delta = (out2 * dout).sum(-1)
+    assert torch.isposinf(lse).any() == (causal or window == (4, 4))  # Sq > Sk: empty rows
+    torch.testing.assert_close(bwd.sink_grad(sinks.detach(), lse, delta).double(), expect)
+
+
+@pytest.mark.parametrize("Sq,Sk", SHAPES)
+def test_window_query_blocks_are_exactly_the_blocks_seen(Sq, Sk):
+    """The backward's loop, for a key block: every query block with a query that sees one of its
+    keys, and no other (the ragged last key block may visit more after them); blocks left
+    unmasked see every key of the key block whole."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    for window, causal, (block_M, block_N) in itertools.product(
+        SMALL_WINDOWS, (False, True), TILES
+    ):
+        left, right = mod.normalize_window(window, causal, Sq, Sk)
+        n_q_blocks = math.ceil(Sq / block_N)
+        padded = torch.zeros(n_q_blocks * block_N, Sk, dtype=torch.bool)
+        padded[:Sq] = mod.window_mask(Sq, Sk, window, causal)
+        for bx in range(math.ceil(Sk / block_M)):
+            q_start, n_q, first_whole, end_whole = (
+                int(x) for x in bwd.window_query_blocks(bx, block_M, block_N, Sq, Sk, left, right)
+            )
+            where = (Sq, Sk, window, causal, block_M, block_N, bx)
+            cols = padded[:, bx * block_M : (bx + 1) * block_M].reshape(n_q_blocks, block_N, -1)
+            seen = cols.any(-1).any(-1).nonzero().flatten().tolist()
+            key_tail = (bx + 1) * block_M > Sk
+            if seen and key_tail:  # may visit more query blocks after its last (fully masked)
+                assert q_start == seen[0] and q_start + n_q - 1 >= seen[-1], where
+                assert q_start + n_q <= n_q_blocks, where
+            elif seen:
+                assert (q_start, n_q) == (seen[0], seen[-1] - seen[0] + 1), where
+            else:
+                assert n_q == 1 and 0 <= q_start < n_q_blocks, where
+            for k in range(q_start, q_start + n_q):
+                if not (key_tail or k < first_whole or k >= end_whole):
+                    assert cols[k].all(), (*where, k)
+
+
+def emulate_backward(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale, block_M, block_N):
+    """The backward kernel's loop on the CPU in float64: per key block and head, the query blocks
+    of window_query_blocks, P from the forward's lse, the mask only where the kernel applies
+    it, dv, dk, dq accumulated as the kernel does; dsinks by sink_grad."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    groups = H // k.shape[1]
+    left, right = mod.normalize_window(window_size, causal, Sq, Sk)
+    out, lse = mod.ref_program(q, k, v, sinks, window_size, causal, scale, return_lse=True)
+    delta = (out * dout).sum(-1)
+    offset = Sk - Sq
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    pad_q = math.ceil(Sq / block_N) * block_N + block_N
+    for b, h, bx in itertools.product(range(B), range(H), range(math.ceil(Sk / block_M))):
+        q_start, n_q, first_whole, end_whole = (
+            int(x) for x in bwd.window_query_blocks(bx, block_M, block_N, Sq, Sk, left, right)
+        )
+        keys = torch.arange(bx * block_M, (bx + 1) * block_M)
+        kt, vt = (torch.zeros(block_M, D, dtype=torch.float64) for _ in range(2))
+        n = min(block_M, Sk - bx * block_M)
+        kt[:n], vt[:n] = k[b, h // groups, keys[:n]], v[b, h // groups, keys[:n]]
+        qp, dop = (torch.zeros(pad_q, D, dtype=torch.float64) for _ in range(2))
+        lp, dp_ = torch.zeros(pad_q, dtype=torch.float64), torch.zeros(pad_q, dtype=torch.float64)
+        qp[:Sq], dop[:Sq], lp[:Sq], dp_[:Sq] = q[b, h], dout[b, h], lse[b, h], delta[b, h]
+        dk_t, dv_t = torch.zeros(block_M, D, dtype=torch.float64), torch.zeros_like(vt)
+        for kq in range(q_start, q_start + n_q):
+            rows = torch.arange(kq * block_N, (kq + 1) * block_N)
+            p = torch.exp(kt @ qp[rows].T * scale - lp[rows][None, :])  # Pᵀ [keys, queries]
+            if (bx + 1) * block_M > Sk or kq < first_whole or kq >= end_whole:
+                vis = (keys[:, None] < Sk) & (rows[None, :] < Sq)
+                centre = rows[None, :] + offset
+                if right >= 0:
+                    vis &= keys[:, None] <= centre + right
+                if left >= 0:
+                    vis &= keys[:, None] >= centre - left
+                p = p.masked_fill(~vis, 0.0)
+            dpt = vt @ dop[rows].T
+            dv_t += p @ dop[rows]
+            ds = p * (dpt - dp_[rows][None, :]) * scale
+            dk_t += ds @ qp[rows]
+            real = rows < Sq
+            dq[b, h, rows[real]] += (ds.T @ kt)[real]
+        dk[b, h // groups, keys[:n]] += dk_t[:n]
+        dv[b, h // groups, keys[:n]] += dv_t[:n]
+    dsinks = None if sinks is None else bwd.sink_grad(sinks, lse, delta)
+    return dq, dk, dv, dsinks
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,window,causal,tile",
+    [
+        (40, 40, (8, 0), False, (16, 8)),
+        (37, 61, (5, 5), False, (8, 16)),
+        (61, 37, (12, 0), True, (16, 8)),  # rows that see no key
+        (50, 50, (3, -1), False, (16, 8)),
+        (45, 45, (-1, -1), True, (12, 8)),
+    ],
+)
+def test_backward_tile_loop_matches_autograd(Sq, Sk, window, causal, tile):
+    """The backward kernel's loop structure (query block ranges, edge-only masks, P from lse,
+    dsinks from lse and delta), emulated with small tiles, gives autograd's gradients."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    q, k, v, sinks = make_inputs(2, Sq, Sk, 4, 2, 16, dtype=torch.float64)
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for s in (sinks.double(), None):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + (
+            [s.clone().requires_grad_()] if s is not None else []
+        )  # noqa: E501
+        out = bwd.ref_program(
+            *leaves[:3], leaves[3] if s is not None else None, window, causal, 0.25
+        )  # noqa: E501
+        expect = torch.autograd.grad(out, leaves, dout)
+        got = emulate_backward(bwd, mod, q, k, v, dout, s, window, causal, 0.25, *tile)
+        for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expect, strict=False):
+            assert rel_err(g, e) < 1e-12, name
+
+
+def test_backward_builds_for_sm90(capsys):
+    """--compile-only builds the four kernels of a training step (a causal window, Sq != Sk);
+    the backward kernel uses WGMMA and TMA, atomics for dQ and dK/dV."""
+    load_script(BWD).main(
+        ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
+         "--window", "128", "0", "--causal", "--dim", "128"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out
+    for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"):
+        assert f"  {name}:" in out
+    assert "flash_bwd: " in out and "wgmma" in out.split("flash_bwd:")[1].splitlines()[0]
+
+
+def test_backward_command_line_and_bad_input(capsys):
+    bwd = load_script(BWD)
+    parser = bwd.build_parser()
+    assert "--tune" not in parser._option_string_actions
+    assert parser.parse_args(["--window", "64", "0", "--no-sinks"]).window == [64, 0]
+    with pytest.raises(SystemExit):
+        bwd.main(["--compile-only", "--window", "-3", "0"])
+    q, k, v, sinks = make_inputs(1, 16, 16, 4, 2, 64, torch.float16)
+    for kwargs, fragment in (
+        (dict(window_size=(1, 2, 3)), "window_size"),
+        (dict(sinks=sinks.half()), "sinks must be float32"),
+        (dict(causal=1), "causal"),
+        (dict(), "CUDA tensor"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            bwd.attention(q, k, v, **{"sinks": sinks, **kwargs})
+
+
+# ----------------------------------------------------------------------------- backward (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,Sq,Sk,H,Hkv,D,window,causal,sinks,dtype",
+    [
+        (2, 1000, 1000, 8, 1, 128, (128, 0), True, True, torch.bfloat16),
+        (2, 1000, 1000, 8, 2, 64, (64, 64), False, True, torch.float16),
+        (2, 255, 1000, 8, 8, 128, (-1, -1), True, True, torch.float16),
+        (2, 1000, 255, 8, 2, 64, (3, 0), True, True, torch.bfloat16),  # rows that see no key
+        (1, 4096, 4096, 8, 1, 64, (1024, 0), False, True, torch.float16),
+        (2, 17, 17, 4, 4, 128, (-1, -1), False, False, torch.bfloat16),
+        (2, 1000, 1000, 8, 2, 128, (200, -1), False, False, torch.float16),
+        (2, 128, 2048, 8, 1, 64, (64, 0), False, True, torch.bfloat16),  # keys no query sees
+    ],
+)
+def test_backward_matches_autograd(
+    B, Sq, Sk, H, Hkv, D, window, causal, sinks, dtype, poisoned_empty
+):  # noqa: E501
+    bwd = load_script(BWD)
+    q, k, v, s = make_inputs(B, Sq, Sk, H, Hkv, D, dtype, "cuda", 1.0, sinks)
+    dout = torch.randn_like(q)
+    leaves = [t.requires_grad_() for t in (q, k, v)] + ([s.requires_grad_()] if sinks else [])
+    out = bwd.attention(q, k, v, s, window, causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = bwd.ref_program(*ref_leaves[:3], ref_leaves[3] if sinks else None, window, causal)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
+    assert rel_err(out, ref) < 1e-2  # fp16/bf16 output
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=False):
+        assert rel_err(g, r) < 2e-2, name  # gradients
+
+
+@pytest.mark.gpu
+def test_backward_main_small(capsys):
+    argv = ["--batch", "1", "--heads", "8", "--seq_len", "1000", "--dim", "64"]
+    load_script(BWD).main([*argv, "--window", "128", "0", "--causal"])
+    out = capsys.readouterr().out
+    assert "dsinks" in out and "tilelang" in out
