@@ -1,0 +1,525 @@
+"""Attention with sinks and a sliding window, GQA, BHSD: differentiable, TileLang on Hopper (SM90).
+
+``attention(q, k, v, sinks, window_size, causal)`` computes what
+example_gqa_sink_fwd_bhsd.py computes — softmax attention in which each query head has one extra
+logit ``sinks[h]`` that joins every row's denominator but has no value, under a sliding window
+``(left, right)`` — and is differentiable in ``q``, ``k``, ``v`` and ``sinks``. Its forward pass
+is that script's persistent, warp-specialized kernel (imported from beside this file), which also
+returns the row log-sum-exp ``lse`` with the sink included. The backward recomputes the
+probabilities from ``lse``, FlashAttention-2 style, in three kernels and one line of PyTorch:
+
+1. preprocess: ``delta = rowsum(O ∘ dO)`` per query row;
+2. the backward proper, one thread block per (key block, query head, batch), on TileLang's
+   automatic pipeline (the plain schedule of examples/flash_attention/example_gqa_bwd.py): it
+   keeps its K and V block in shared memory and ``dk``, ``dv`` in registers, walks the query
+   blocks whose window reaches its keys (``window_query_blocks``: query blocks entirely outside
+   are skipped, not masked), forms ``Pᵀ = exp(K Qᵀ·scale − lse)`` and
+   ``dSᵀ = Pᵀ ∘ (V dOᵀ − delta)``, and adds ``dq`` into a float32 accumulator with atomics; the
+   group's query heads add their ``dk``/``dv`` into one float32 dK/dV with regional atomics;
+3. postprocess: dQ from float32 back to the input dtype (dK, dV: a cast);
+4. ``dsinks[h] = −Σ_rows p_sink · delta`` with ``p_sink = exp(sinks[h] − lse)`` (``sink_grad``).
+
+Why the sink changes nothing in 1–3: with ``lse`` including the sink, ``p_j = exp(s_j − lse)`` is
+already each key's probability, and ``dS_j = p_j (dP_j − Σ_k p_k dP_k)`` where the sum runs over
+the keys only (the sink has no value, so its ``dP`` is 0): ``Σ_k p_k dP_k = dO · O = delta``, as
+without a sink. The sink's own gradient is ``p_sink (0 − delta)``, summed over the rows it
+joined. A row that sees no key has ``lse = +inf``: ``p = 0`` everywhere, no gradient.
+
+This is the first, plain version: the backward kernel is not hand-scheduled (compare
+examples/flash_attention/example_mha_bwd_wgmma_pipelined.py for the fast dense one), and with a
+window bounded on the left (two edges to mask) ptxas spills 80–136 bytes in it (D = 64 and 128,
+S = 4096); a window open on the left (full, causal) spills nothing, as the dense kernel.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None,
+              config=None)
+
+    q: (batch, nheads, seqlen_q, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64 or 128.
+    k, v: (batch, nheads_k, seqlen_k, headdim); nheads a multiple of nheads_k.
+    sinks: (nheads,), float32, on q's device, or None; may require grad.
+    window_size: (left, right), ints >= -1 (-1: unbounded); causal=True sets right = 0.
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+        default ``default_config``.
+    Returns out: (batch, nheads, seqlen_q, headdim), differentiable (``torch.autograd``).
+
+Run:
+    python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --causal --window 128 0
+    python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --compile-only --arch sm_90a
+"""
+
+import math
+import pathlib
+import sys
+
+import einops
+import tilelang
+import tilelang.language as T
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_gqa_sink_fwd_bhsd as fwd  # noqa: E402  (the sibling forward script)
+
+LOG2E = 1.4426950408889634
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+HEAD_DIMS = fwd.HEAD_DIMS
+ARCHS = ("sm_90a",)  # --arch: the forward is Hopper-only
+
+
+# ----------------------------------------------------------------------------- window blocks
+def window_query_blocks(bx, block_M, block_N, seq_q, seq_kv, left, right):
+    """For key block ``bx`` (keys ``bx·block_M …``): ``(q_start, n_q, first_whole, end_whole)``.
+
+    Query blocks ``q_start … q_start + n_q − 1`` hold a query whose window reaches a key of the
+    block (query ``i`` sees key ``j`` when ``i + offset − left <= j <= i + offset + right``, that
+    is ``j − offset − right <= i <= j − offset + left``); the others are skipped (the ragged last
+    key block may visit one more, fully masked). At least one, fully masked when no query sees
+    the block (then dk = dv = 0). Query blocks
+    ``first_whole <= k < end_whole`` see every key of the block (and lie inside Sq): no mask."""
+    offset = seq_kv - seq_q
+    first_key = bx * block_M
+    n_q_blocks = T.ceildiv(seq_q, block_N)
+    lo = 0
+    if right >= 0:
+        lo = T.max(0, first_key - offset - right)
+    hi = seq_q
+    if left >= 0:
+        # One past the last query whose window reaches the block's last key, (bx + 1)·block_M − 1
+        # (not clipped to Sk − 1: the ragged last key block may visit a query block more, fully
+        # masked; clipped, the expression trips TileLang 0.1.15's ThreadSync pass on some
+        # shapes, e.g. D=64, Sq = Sk = 1000, window (64, 64)).
+        hi = T.max(0, T.min(seq_q, (bx + 1) * block_M - offset + left))
+    q_start = T.min(lo // block_N, n_q_blocks - 1)
+    n_q = T.max(1, T.ceildiv(hi, block_N) - q_start)
+    first_whole = 0  # from here on, the block's last key is within each query's right edge
+    if right >= 0:
+        first_whole = T.ceildiv(T.max(0, (bx + 1) * block_M - 1 - offset - right), block_N)
+    end_whole = seq_q // block_N  # before here, its first key is within each query's left edge
+    if left >= 0:
+        end_whole = T.min(end_whole, T.max(0, first_key - offset + left + 1) // block_N)
+    return q_start, n_q, first_whole, end_whole
+
+
+# ----------------------------------------------------------------------------- backward kernels
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
+    """delta[b, h, i] = Σ_d O[b, h, i, d] · dO[b, h, i, d], in float32."""
+    accum_dtype = "float32"
+    shape = [batch, heads, seq_q, dim]
+
+    @T.prim_func
+    def flash_bwd_prep(
+        Output: T.Tensor(shape, dtype),
+        dO: T.Tensor(shape, dtype),
+        Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+            o = T.alloc_fragment([block, dim], dtype)
+            do = T.alloc_fragment([block, dim], dtype)
+            acc = T.alloc_fragment([block, dim], accum_dtype)
+            delta = T.alloc_fragment([block], accum_dtype)
+            T.copy(Output[bz, by, bx * block : (bx + 1) * block, :], o)
+            T.copy(dO[bz, by, bx * block : (bx + 1) * block, :], do)
+            for i, j in T.Parallel(block, dim):
+                acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
+            T.reduce_sum(acc, delta, dim=1)
+            T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
+
+    return flash_bwd_prep
+
+
+def padded_rows(seq_q):
+    """Rows of the float32 dQ accumulator: Sq rounded up to the 8-row groups of ``dq_layout``."""
+    return (seq_q + 7) // 8 * 8
+
+
+def dq_layout(dQ):
+    """Physical layout of the float32 dQ accumulator [B, H, S, D]: what a warp's accumulator
+    holds for one 8×8 tile in 32 consecutive floats (row ``s % 8``, column pair ``d % 8 // 2``),
+    so each per-element atomic instruction of a warp touches one 128-byte line (as in
+    examples/flash_attention/example_gqa_bwd.py; columns d and d + 1 lie 32 floats apart, so
+    the atomics stay scalar)."""
+    return T.Layout(
+        dQ.shape,
+        lambda b, h, s, d: [b, h, s // 8, d // 8, d % 2, 4 * (s % 8) + (d % 8) // 2],
+    )
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd(
+    batch,
+    heads,
+    heads_kv,
+    seq_q,
+    seq_kv,
+    dim,
+    window_left,  # -1 or >= 0, as normalised by fwd.normalize_window (causal: right = 0)
+    window_right,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=64,
+    num_stages=2,
+    threads=256,
+):
+    """Gradients into float32 accumulators: dQ (``dq_layout``), dK/dV (one per kv head, the
+    group's query heads adding into it).
+
+    Computed transposed, keys along M, so that dk and dv are plain GEMM accumulators:
+    ``acc_s = K Qᵀ`` [block_M keys × block_N queries] becomes ``Pᵀ = exp(acc_s·scale − lse)``;
+    ``acc_dp = V dOᵀ`` (= dPᵀ); ``dv += Pᵀ dO``; ``ds = Pᵀ ⊙ (acc_dp − delta)·scale`` (= dSᵀ);
+    ``dk += ds Q``; ``dq = dsᵀ K``.
+    """
+    groups = heads // heads_kv
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E
+    offset = seq_kv - seq_q  # bottom-right alignment of the window
+    q_shape = [batch, heads, seq_q, dim]
+    kv_shape = [batch, heads_kv, seq_kv, dim]
+
+    @T.macro
+    def mask(k, bx, acc_s):
+        # Probabilities outside the window (or past Sq, Sk) become 0.
+        for i, j in T.Parallel(block_M, block_N):
+            key = bx * block_M + i
+            query = k * block_N + j
+            visible = key < seq_kv and query < seq_q
+            if window_right >= 0:
+                visible = visible and key <= query + offset + window_right
+            if window_left >= 0:
+                visible = visible and key >= query + offset - window_left
+            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
+
+    @T.prim_func
+    def flash_bwd(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(kv_shape, dtype),
+        V: T.Tensor(kv_shape, dtype),
+        dO: T.Tensor(q_shape, dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
+        dQ: T.Tensor([batch, heads, padded_rows(seq_q), dim], accum_dtype),
+        dK: T.Tensor(kv_shape, accum_dtype),
+        dV: T.Tensor(kv_shape, accum_dtype),
+    ):
+        # The head is the fastest-varying grid dimension (blockIdx.x): a group's query heads,
+        # which read the same K/V block and add into the same dK/dV, run side by side and share
+        # it in L2. The names keep their meaning: bx the key block, by the head, bz the batch.
+        with T.Kernel(heads, T.ceildiv(seq_kv, block_M), batch, threads=threads) as (by, bx, bz):
+            K_shared = T.alloc_shared([block_M, dim], dtype)
+            V_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([block_N, dim], dtype)
+            dO_shared = T.alloc_shared([block_N, dim], dtype)
+            lse_shared = T.alloc_shared([block_N], accum_dtype)
+            delta_shared = T.alloc_shared([block_N], accum_dtype)
+            ds_shared = T.alloc_shared([block_M, block_N], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
+            ds_cast = T.alloc_fragment([block_M, block_N], dtype)
+            dq = T.alloc_fragment([block_N, dim], accum_dtype)
+            dk = T.alloc_fragment([block_M, dim], accum_dtype)
+            dv = T.alloc_fragment([block_M, dim], accum_dtype)
+            dk_shared = T.alloc_shared([block_M, dim], accum_dtype)
+            dv_shared = T.alloc_shared([block_M, dim], accum_dtype)
+
+            T.annotate_layout({dQ: dq_layout(dQ)})
+
+            T.copy(K[bz, by // groups, bx * block_M : (bx + 1) * block_M, :], K_shared)
+            T.copy(V[bz, by // groups, bx * block_M : (bx + 1) * block_M, :], V_shared)
+            T.clear(dk)
+            T.clear(dv)
+
+            q_start, n_q, first_whole, end_whole = window_query_blocks(
+                bx, block_M, block_N, seq_q, seq_kv, window_left, window_right
+            )
+            key_tail = (bx + 1) * block_M > seq_kv
+
+            # Never empty (n_q >= 1), so the consumers always wait for the K/V tiles' loads.
+            for k in T.Pipelined(q_start, q_start + n_q, num_stages=num_stages):
+                T.copy(Q[bz, by, k * block_N : (k + 1) * block_N, :], Q_shared)
+                T.gemm(
+                    K_shared,
+                    Q_shared,
+                    acc_s,
+                    transpose_B=True,
+                    clear_accum=True,
+                    policy=T.GemmWarpPolicy.FullRow,
+                )
+                T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
+                # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
+                if key_tail or k < first_whole or k >= end_whole:
+                    mask(k, bx, acc_s)
+
+                T.copy(dO[bz, by, k * block_N : (k + 1) * block_N, :], dO_shared)
+                T.gemm(
+                    V_shared,
+                    dO_shared,
+                    acc_dp,
+                    transpose_B=True,
+                    clear_accum=True,
+                    policy=T.GemmWarpPolicy.FullRow,
+                )
+                T.copy(acc_s, acc_s_cast)
+                T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
+
+                T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
+                for i, j in T.Parallel(block_M, block_N):
+                    ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
+                T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+
+                # dq needs dsᵀ as an operand: through shared memory.
+                T.copy(ds_cast, ds_shared)
+                T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(block_N, dim):
+                    T.atomic_add(dQ[bz, by, k * block_N + i, j], dq[i, j])
+
+            # One regional atomic per tile: the group's query heads meet in the same dK/dV.
+            T.copy(dv, dv_shared)
+            T.copy(dk, dk_shared)
+            T.atomic_add(dV[bz, by // groups, bx * block_M : (bx + 1) * block_M, :], dv_shared)
+            T.atomic_add(dK[bz, by // groups, bx * block_M : (bx + 1) * block_M, :], dk_shared)
+
+    return flash_bwd
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
+    """dQ: float32 in ``dq_layout`` → fp16/bf16 in plain BHSD."""
+    accum_dtype = "float32"
+
+    @T.prim_func
+    def flash_bwd_post(
+        dQ: T.Tensor([batch, heads, padded_rows(seq_q), dim], accum_dtype),
+        dQ_out: T.Tensor([batch, heads, seq_q, dim], dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+            T.annotate_layout({dQ: dq_layout(dQ)})
+            T.copy(
+                dQ[bz, by, bx * block : (bx + 1) * block, :],
+                dQ_out[bz, by, bx * block : (bx + 1) * block, :],
+            )
+
+    return flash_bwd_post
+
+
+def default_config(dim, arch="sm_90a"):
+    """Backward tiles (block_M keys per thread block, block_N queries a step): the dense GQA
+    backward's for Dqk + Dv <= 256 (examples/flash_attention/example_gqa_bwd.py, measured there:
+    128×64 tiles, 2 stages, 256 threads). Not measured with windows."""
+    if not arch.startswith("sm_90"):
+        raise ValueError(f"arch {arch}: the forward of this script is written for Hopper (sm_90a)")
+    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def sink_grad(sinks, lse, delta):
+    """dsinks[h] = −Σ_{b, i} exp(sinks[h] − lse[b, h, i]) · delta[b, h, i] (float32 [H]); rows
+    with lse = +inf (no key) add 0."""
+    p_sink = torch.exp(sinks.float()[None, :, None] - lse)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale):
+    """example_gqa_sink_fwd_bhsd.py's persistent forward: ``out [B, H, Sq, D]`` and
+    ``lse [B, H, Sq]`` (float32, natural log, the sink included)."""
+    return fwd.attention(q, k, v, sinks, window_size, causal, softmax_scale, return_lse=True)
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, sinks, window_size, causal, softmax_scale, config=None
+):
+    """The backward kernels and ``sink_grad``: returns ``dq, dk, dv`` in the input dtype and
+    ``dsinks`` (float32 [H], or None without sinks)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dtype = fwd.dtype_name(q)
+    if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
+    left, right = fwd.normalize_window(window_size, causal, Sq, Sk)
+    cfg = config or default_config(D, fwd.device_arch(q.device))
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
+
+    delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    flashattn_bwd_preprocess(B, H, Sq, D, dtype)(out, dout, delta)
+    # dQ, dK and dV are sums of atomic adds: they start at zero.
+    dq_acc = torch.zeros(B, H, padded_rows(Sq), D, dtype=torch.float32, device=q.device)
+    dk_acc = torch.zeros(B, Hkv, Sk, D, dtype=torch.float32, device=q.device)
+    dv_acc = torch.zeros(B, Hkv, Sk, D, dtype=torch.float32, device=q.device)
+    kernel = flashattn_bwd(B, H, Hkv, Sq, Sk, D, left, right, softmax_scale, dtype, **cfg)
+    kernel(q, k, v, dout, lse, delta, dq_acc, dk_acc, dv_acc)
+
+    dq = torch.empty_like(q)
+    flashattn_bwd_postprocess(B, H, Sq, D, dtype)(dq_acc, dq)
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype), dsinks
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """Forward (example_gqa_sink_fwd_bhsd.py's kernel) saves (q, k, v, out, lse, sinks);
+    backward runs preprocess, backward, postprocess and ``sink_grad``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, window_size, causal, softmax_scale, config):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out, lse = attention_forward(q, k, v, sinks, window_size, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.window_size, ctx.causal = window_size, causal
+        ctx.softmax_scale, ctx.config = softmax_scale, config
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = attention_backward(
+            dout, q, k, v, out, lse, sinks, ctx.window_size, ctx.causal, ctx.softmax_scale,
+            ctx.config,
+        )  # fmt: skip
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
+def attention(
+    q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None, config=None
+):
+    """Differentiable attention with sinks and a sliding window: ``q [B, H, Sq, D]``,
+    ``k, v [B, Hkv, Sk, D]`` (fp16/bf16, CUDA), ``sinks [H]`` float32 or None → ``out
+    [B, H, Sq, D]``; gradients for q, k, v and sinks. ``config``: the backward tiles."""
+    fwd._check_inputs(q, k, v, sinks, window_size, causal, softmax_scale)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window = tuple(int(w) for w in window_size)
+    return FlashAttnFunc.apply(q, k, v, sinks, window, causal, float(softmax_scale), config)
+
+
+# ----------------------------------------------------------------------------- reference
+def ref_program(q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None):
+    """Plain differentiable PyTorch in float32 (float64 stays float64; runs on CPU), same
+    conventions as ``attention``: the sink as an extra logit column, dropped after the softmax."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    Sq, Sk = q.shape[2], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    kf, vf = (einops.repeat(t.to(acc), "b h s d -> b (h g) s d", g=groups) for t in (k, v))
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), kf) * scale
+    visible = fwd.window_mask(Sq, Sk, window_size, causal, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(acc)[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    # A row with nothing to weigh (no key, no sink) gives probabilities 0, not NaN.
+    seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+    return torch.einsum("bhqk,bhkd->bhqd", probs[..., :Sk], vf).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def build_parser():
+    # The forward script's flags (--window, --sinks, --groups, ...), without --tune: this first
+    # version has a single backward configuration.
+    return fwd.build_parser(__doc__.splitlines()[0], tune=False)
+
+
+def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a"):
+    """Build every kernel a training step runs (forward, preprocess, backward, postprocess) for
+    ``arch`` without a GPU; returns {kernel name: CUDA source}."""
+    harness = _harness()
+    left, right = window
+    scale = 1.0 / math.sqrt(D)
+    fwd_cfg = fwd.default_config(D, window, arch, Sk)
+    cfg = default_config(D, arch)
+    kernels = {
+        "flash_fwd": harness.compile_for(
+            fwd.flashattn_fwd,
+            arch,
+            B,
+            H,
+            Hkv,
+            Sq,
+            Sk,
+            D,
+            left,
+            right,
+            True,
+            scale,
+            dtype,
+            **fwd_cfg,
+        ),  # fmt: skip
+        "flash_bwd_prep": harness.compile_for(flashattn_bwd_preprocess, arch, B, H, Sq, D, dtype),
+        "flash_bwd": harness.compile_for(
+            flashattn_bwd, arch, B, H, Hkv, Sq, Sk, D, left, right, scale, dtype, **cfg
+        ),
+        "flash_bwd_post": harness.compile_for(flashattn_bwd_postprocess, arch, B, H, Sq, D, dtype),
+    }
+    return {name: kernel.get_kernel_source() for name, kernel in kernels.items()}
+
+
+def main(argv=None):
+    harness = _harness()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.groups < 1 or args.heads % args.groups != 0:
+        parser.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
+    B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
+    Hkv = H // args.groups
+    Sk = args.seq_len_k or Sq
+    window = tuple(args.window)
+    scale = 1.0 / math.sqrt(D)
+    script = pathlib.Path(__file__).name
+    what = (
+        f"B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} window={window} causal={args.causal} "
+        f"sinks={args.sinks} {args.dtype}"
+    )
+
+    if args.compile_only:
+        norm = fwd.normalize_window(window, args.causal, Sq, Sk)
+        sources = compile_all(B, H, Hkv, Sq, Sk, D, norm, args.dtype, args.arch)
+        print(f"{script}: built for {args.arch} (window as built: {norm})")
+        for name, src in sources.items():
+            print(harness.describe_source(name, src))
+        return
+
+    harness.require_gpu(script, capability=(9, 0))
+    dtype = harness.DTYPES[args.dtype]
+    torch.manual_seed(0)
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype)
+    sinks = torch.randn(H, device="cuda") * 2 if args.sinks else None
+    dout = torch.randn_like(q)
+    leaves = [t.requires_grad_() for t in (q, k, v) + ((sinks,) if args.sinks else ())]
+
+    if args.check:
+        out = attention(q, k, v, sinks, window, args.causal, scale)
+        grads = torch.autograd.grad(out, leaves, dout)
+        print(f"check {what}")
+        ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+        ref_sinks = ref_leaves[3] if args.sinks else None
+        ref = ref_program(*ref_leaves[:3], ref_sinks, window, args.causal, scale)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
+        harness.check_close("out", out, ref, rtol=1e-2)  # fp16/bf16 forward
+        names = ["dq", "dk", "dv", "dsinks"][: len(leaves)]
+        grads, ref_grads = (dict(zip(names, g, strict=True)) for g in (grads, ref_grads))
+        harness.check_grads(grads, ref_grads)  # gradients: relative error under 2e-2
+
+    if args.bench:
+        out = attention(q, k, v, sinks, window, args.causal, scale)
+        flops = fwd.window_flops(B, H, Sq, Sk, D, window, args.causal) * 2.5
+        ours = {"tilelang": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)}
+        harness.report(f"backward {what}", ours, {}, flops)
+
+
+if __name__ == "__main__":
+    main()

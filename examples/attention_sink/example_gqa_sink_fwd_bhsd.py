@@ -1,0 +1,914 @@
+"""Attention with sinks and a sliding window (gpt-oss style), GQA forward, BHSD layout, TileLang on
+Hopper (SM90).
+
+Computes ``O = softmax(Q Kᵀ · scale) V`` for ``q [B, H, Sq, D]`` and ``k, v [B, Hkv, Sk, D]``
+(query head ``h`` reads kv head ``h // (H / Hkv)``) with two additions:
+
+- a sliding window, ``window_size = (left, right)`` as in FlashAttention: query ``i`` sees key
+  ``j`` when ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (``-1``: no bound on that side;
+  ``(-1, -1)`` is full attention). ``causal=True`` sets ``right = 0`` whatever ``right`` was
+  given, as FlashAttention does, so ``causal=True, window_size=(left, r)`` is
+  ``window_size=(left, 0)`` (bottom-right aligned, as FlashAttention ≥ 2.1);
+- attention sinks: one extra logit per query head, ``sinks[h]`` (float32), that joins each
+  row's softmax denominator but has no value vector:
+  ``p_j = exp(s_j) / (exp(sinks[h]) + Σ_k exp(s_k))`` over the visible keys ``k``, so a row may
+  give less than all of its weight to the keys. ``sinks=None`` is plain attention.
+
+The log-sum-exp returned with ``return_lse`` includes the sink:
+``lse = log(exp(sinks[h]) + Σ_k exp(s_k))``, so ``p_j = exp(s_j − lse)`` holds for the keys and
+``p_sink = exp(sinks[h] − lse)`` for the sink, which is what a backward pass needs. A query row
+that sees no key gives ``O = 0`` and ``lse = +inf``, with or without a sink, as everywhere in
+this collection.
+
+What it teaches, on top of the hand-scheduled persistent forward of
+``examples/flash_attention/example_gqa_fwd_bshd.py`` (a producer warpgroup issuing TMA loads into
+a K/V ring guarded by full/empty mbarriers, consumer warpgroups with asynchronous WGMMA and
+``setmaxnreg``, the softmax of key block k overlapping the P V GEMM of block k−1, one thread block
+per SM walking a list of tiles):
+
+- a window is a range of key blocks: a query tile visits only the blocks that hold a key some
+  row of the tile can see (``window_key_blocks``); blocks entirely outside the window are never
+  loaded. Producer and consumers compute the range with the same function, so both walk the
+  same blocks and agree on the K/V ring's stages and barrier phases;
+- masks run only where needed (``window_mask_runs``): on the blocks that straddle the window's
+  left edge, its right (causal) edge, or the end of the keys; every block between them is used
+  as is. With a left edge the key loop runs in three parts (masked, whole, masked), so no block
+  decides at run time whether to mask — that decision, in the loop, costs the registers that
+  make ptxas spill;
+- the sink is folded into the softmax once, in the epilogue, after the key loop: the final row
+  maximum is ``max(running max, sink)``, and the accumulator and the running sum are rescaled by
+  ``exp(running max − final max) <= 1``, so no exponential ever exceeds 1 (see ``epilogue``);
+  the online softmax of the key loop is the dense kernel's, unchanged.
+
+API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
+
+    attention(q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None,
+              return_lse=False, config=None)
+
+    q: (batch, nheads, seqlen_q, headdim), float16 or bfloat16, on a CUDA device;
+        headdim 64 or 128.
+    k, v: (batch, nheads_k, seqlen_k, headdim), same dtype and device;
+        nheads a multiple of nheads_k (groups 1 to 16 tested).
+    sinks: (nheads,), float32, on q's device, or None. One logit per query head, in the units of
+        the scaled scores QKᵀ · softmax_scale; -inf is allowed (no sink for that head).
+    window_size: (left, right), ints >= -1. The sliding window (above); -1 is unbounded.
+    causal: bool. right = 0 (bottom-right aligned), whatever window_size[1] says.
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, natural log,
+        including the sink (above); +inf for a row that sees no key.
+    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
+    Returns out: (batch, nheads, seqlen_q, headdim), or (out, lse) when return_lse.
+
+Run:
+    python examples/attention_sink/example_gqa_sink_fwd_bhsd.py --causal --window 128 0
+    python examples/attention_sink/example_gqa_sink_fwd_bhsd.py --window 64 64 --no-sinks
+    python examples/attention_sink/example_gqa_sink_fwd_bhsd.py --compile-only --arch sm_90a
+"""
+
+import argparse
+import importlib.util
+import math
+import numbers
+import pathlib
+import sys
+
+import einops
+import tilelang
+import tilelang.language as T
+import torch
+
+LOG2E = 1.4426950408889634
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    # The kernel splits producer and consumers itself (below); no automatic warp specialization.
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+}
+HEAD_DIMS = (64, 128)
+ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
+PRODUCER_REGS = 24
+
+
+# ----------------------------------------------------------------------------- window blocks
+# Which key blocks a query tile visits, and which of them it must mask. The kernel calls these
+# with its loop variables (TileLang expressions); on plain ints they give ints (the tests check
+# them against the window's mask). Rows m_blk·block_M … are one tile; rows past Sq are padding.
+
+
+def _tile_rows(m_blk, block_M, seq_q):
+    # First and last (real) query row of the tile.
+    return m_blk * block_M, T.min((m_blk + 1) * block_M, seq_q) - 1
+
+
+def window_key_blocks(m_blk, block_M, block_N, seq_q, seq_kv, left, right):
+    """``(n_start, n_blocks)``: the key blocks ``n_start … n_start + n_blocks − 1`` that hold a
+    key some row of the tile sees. Keys ``[lo, hi)`` are the union of the rows' windows: the
+    first row's left edge to the last row's right edge. Blocks outside are never loaded; the
+    producer and the consumers both call this, so they walk the same blocks.
+
+    At least one block, even when no row sees a key (causal with Sq > Sk, or a window that ends
+    before key 0): the consumers then mask all of it and write O = 0 and lse = +inf, as for any
+    empty row. (``lo < hi`` whenever ``hi > 0``, and ``lo <= Sk − 1``, so ``n_start`` is always
+    a block of K.)"""
+    offset = seq_kv - seq_q
+    first_row, last_row = _tile_rows(m_blk, block_M, seq_q)
+    lo = 0
+    if left >= 0:
+        lo = T.max(0, first_row + offset - left)
+    hi = seq_kv
+    if right >= 0:
+        hi = T.max(0, T.min(seq_kv, last_row + offset + right + 1))
+    n_start = lo // block_N
+    return n_start, T.max(1, T.ceildiv(hi, block_N) - n_start)
+
+
+def window_mask_runs(m_blk, n_start, n_blocks, block_M, block_N, seq_q, seq_kv, left, right):
+    """``(n_left, n_inner_end)``: of the tile's key blocks ``n_start + k`` (``k = 0 … n_blocks −
+    1``), the blocks ``n_left <= k < n_inner_end`` are seen whole by every row of the tile and go
+    unmasked; the blocks before them (the window's left edge) and after them (its right edge,
+    the ragged tail ``Sk % block_N``) are masked. A block is whole when it starts at or after the
+    last row's first key and ends at or before the first row's last key, and before Sk. When
+    the edges overlap, ``n_inner_end = n_left`` and every block is masked."""
+    offset = seq_kv - seq_q
+    first_row, last_row = _tile_rows(m_blk, block_M, seq_q)
+    first_whole = 0  # the first block starting at or after the last row's first key
+    if left >= 0:
+        first_whole = T.ceildiv(T.max(0, last_row + offset - left), block_N)
+    end_whole = seq_kv // block_N  # one past the last block ending before Sk …
+    if right >= 0:  # … and at or before the first row's last key
+        last_key = T.max(0, first_row + offset + right + 1)  # one past it
+        end_whole = T.min(end_whole, last_key // block_N)
+    n_left = T.min(T.max(first_whole - n_start, 0), n_blocks)
+    return n_left, T.max(T.min(end_whole - n_start, n_blocks), n_left)
+
+
+# ----------------------------------------------------------------------------- kernel
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd(
+    batch,
+    heads,
+    heads_kv,
+    seq_q,
+    seq_kv,
+    dim,
+    window_left,  # -1 or >= 0, as normalised by normalize_window (causal is window_right = 0)
+    window_right,
+    has_sinks,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=128,
+    num_stages=2,
+    num_sms=132,  # an H100 SXM's; attention() passes the device's own count
+):
+    groups = heads // heads_kv
+    accum_dtype = "float32"
+    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
+    offset = seq_kv - seq_q  # bottom-right alignment: query i's window is centred on key i+offset
+    neg_inf = -T.infinity(accum_dtype)
+    q_shape = [batch, heads, seq_q, dim]
+    kv_shape = [batch, heads_kv, seq_kv, dim]
+    consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
+    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
+    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
+    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+
+    # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
+    # rows of one head), so the producer loads the next tile's Q and K while the consumers
+    # finish the last one. When the window is bounded on one side only (causal without a left
+    # bound, say), a tile's cost grows or shrinks along the sequence; when there are more tiles
+    # than SMs they then go in pairs, the heaviest and the lightest query block of a head
+    # together, so every pair costs about the same. A window bounded on both sides costs about
+    # the same for every tile: no pairs.
+    num_m_blocks = (seq_q + block_M - 1) // block_M
+    num_tiles = num_m_blocks * heads * batch
+    one_sided = (window_left < 0) != (window_right < 0)
+    tiles_per_unit = 2 if one_sided and num_tiles > num_sms else 1
+    num_units = (num_tiles + tiles_per_unit - 1) // tiles_per_unit
+    grid = min(num_sms, num_units)
+
+    def tile_index(cta, it):
+        # The it-th tile of thread block cta: units dealt round-robin, a unit's tiles in a row.
+        # Only the very last unit can be short (t >= num_tiles: no tile).
+        return (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+
+    def tile_coords(t):
+        # (query block, head, batch) of tile t. Tiles of one head are consecutive, so thread
+        # blocks running side by side share K/V in L2.
+        r = t % num_m_blocks
+        m_blk = r
+        if tiles_per_unit == 2:
+            # r even: num_m_blocks - 1 - r // 2, r odd: r // 2 (arithmetic, not a select: a
+            # select here trips TileLang 0.1.15's ThreadSync pass on some shapes).
+            m_blk = r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
+        return m_blk, t // num_m_blocks % heads, t // (num_m_blocks * heads)
+
+    def key_range(m_blk):
+        return window_key_blocks(m_blk, block_M, block_N, seq_q, seq_kv, window_left, window_right)
+
+    def mask_runs(m_blk, n_start, n_blocks):
+        return window_mask_runs(
+            m_blk, n_start, n_blocks, block_M, block_N, seq_q, seq_kv, window_left, window_right
+        )
+
+    # ------------------------------------------------------------------ the steps, named
+    # T.macro is inlined where it is called: the generated CUDA is the same as with the steps
+    # written out in the loops below.
+    @T.macro
+    def load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz):
+        # Producer: wait until the consumers are done with the last tile's Q, then load this
+        # one. A fresh mbarrier counts as having completed the phase before phase 0, so the
+        # first wait on an "empty" barrier (parity 1) passes at once. Rows past Sq read as
+        # zeros (TMA fills out of bounds).
+        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
+        T.tma_copy(Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :], Q_shared, barrier=q_full)
+        T.barrier_arrive(q_full)
+
+    @T.macro
+    def load_kv(K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty, g, kb, by, bz):
+        # Producer: key block kb into ring slot g (stage g % num_stages, phase g // num_stages).
+        stage = g % num_stages
+        phase = (g // num_stages) & 1
+        T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+        T.tma_copy(
+            K[bz, by // groups, kb * block_N : (kb + 1) * block_N, :],
+            K_shared[stage, :, :],
+            barrier=k_full[stage],
+        )
+        T.barrier_arrive(k_full[stage])
+        T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+        T.tma_copy(
+            V[bz, by // groups, kb * block_N : (kb + 1) * block_N, :],
+            V_shared[stage, :, :],
+            barrier=v_full[stage],
+        )
+        T.barrier_arrive(v_full[stage])
+
+    @T.macro
+    def scores(Q_shared, K_stage, acc_s):
+        # S = Q Kᵀ of one key block, issued asynchronously (the caller waits).
+        T.wgmma_gemm(
+            Q_shared,
+            K_stage,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def pv(acc_s_cast, V_stage, acc_o):
+        # O += P V of one key block, issued asynchronously (the caller waits).
+        T.wgmma_gemm(acc_s_cast, V_stage, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def mask(kb, m_blk, acc_s):
+        # Scores outside the window (or past Sk) become -inf. Called only on the blocks that
+        # window_mask_runs marks (and on the first block of a window bounded on the left).
+        for i, j in T.Parallel(block_M, block_N):
+            key = kb * block_N + j
+            row = m_blk * block_M + i
+            visible = key < seq_kv
+            if window_right >= 0:
+                visible = visible and key <= row + offset + window_right
+            if window_left >= 0:
+                visible = visible and key >= row + offset - window_left
+            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        # Online softmax: fold the block into the running row max and row sum, and turn the
+        # scores into P = exp2(S·scale − max·scale). The sink is not here: see epilogue.
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # A row that has seen no visible key yet keeps max = -inf; using 0 instead makes
+            # exp2 give 0 rather than NaN (-inf - -inf).
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        # What was accumulated under the old row max, brought to the new one.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def key_step(
+        g, kb, masked, m_blk, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
+        scores_max, scores_max_prev, scores_scale, scores_sum, logsum, k_full, v_full, k_empty,
+        v_empty,
+    ):  # fmt: skip
+        # One key block after the first (ring slot g, key block kb): issue S = Q K(kb)ᵀ and
+        # O += P V of the previous block back to back (asynchronous WGMMA), wait for S only,
+        # and run its softmax while the P V GEMM still occupies the tensor cores.
+        stage = g % num_stages
+        prev = (g - 1) % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+        T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+        scores(Q_shared, K_shared[stage, :, :], acc_s)
+        pv(acc_s_cast, V_shared[prev, :, :], acc_o)
+        T.wait_wgmma(1)  # S is ready; the previous block's P V may still run
+        T.barrier_arrive(k_empty[stage])
+        if masked:
+            mask(kb, m_blk, acc_s)
+        softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+        T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+        T.barrier_arrive(v_empty[prev])
+        rescale(acc_o, scores_scale)
+        T.copy(acc_s, acc_s_cast)
+
+    @T.macro
+    def epilogue(
+        acc_o, logsum, scores_max, sink, factor, row_lse, O_shared, Output, lse, m_blk, by, bz
+    ):
+        # The sink joins the softmax here, once per row. In base-2 units (x·log2 e), with
+        # m = the running max over the row's scores, l = Σ exp2(s − m) and a = Σ exp2(s − m) v:
+        #     m' = max(m, sink),  l' = l·exp2(m − m') + exp2(sink − m'),  O = a·exp2(m − m') / l'
+        # Both exponents are <= 0, so neither term can overflow, whatever the sink (a sink far
+        # above the scores makes exp2(m − m') underflow to 0 and O to 0, its limit; a sink of
+        # -inf adds exp2(-inf) = 0, no sink). Starting the loop with m = sink and l = 1 would be
+        # as safe, but would also make l > 0 for a row that sees no key; here l = 0 still says
+        # "no visible key" (O = 0, lse = +inf), and the key loop is the dense kernel's.
+        for i in T.Parallel(block_M):
+            m = scores_max[i] * scale
+            if has_sinks:
+                sink2 = sink * LOG2E
+                m_sink = T.max(m, sink2)
+                ratio = T.exp2(m - m_sink)
+                total = logsum[i] * ratio + T.exp2(sink2 - m_sink)
+                factor[i] = T.if_then_else(logsum[i] > 0, ratio / total, 0)
+                row_lse[i] = T.if_then_else(
+                    logsum[i] > 0, (T.log2(total) + m_sink) / LOG2E, T.infinity(accum_dtype)
+                )
+            else:
+                factor[i] = T.if_then_else(logsum[i] > 0, 1.0 / logsum[i], 0)
+                row_lse[i] = T.if_then_else(
+                    logsum[i] > 0, (T.log2(logsum[i]) + m) / LOG2E, T.infinity(accum_dtype)
+                )
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= factor[i]
+        # O leaves through shared memory and one TMA store (rows past Sq are clipped).
+        T.copy(acc_o, O_shared)
+        T.copy(O_shared, Output[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :])
+        for i in T.Parallel(block_M):
+            if m_blk * block_M + i < seq_q:
+                lse[bz, by, m_blk * block_M + i] = row_lse[i]
+
+    @T.prim_func
+    def flash_fwd(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(kv_shape, dtype),
+        V: T.Tensor(kv_shape, dtype),
+        Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
+        Output: T.Tensor(q_shape, dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+    ):
+        with T.Kernel(grid, threads=consumers + 128) as cta:
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
+            scores_max = T.alloc_fragment([block_M], accum_dtype)
+            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
+            scores_scale = T.alloc_fragment([block_M], accum_dtype)
+            scores_sum = T.alloc_fragment([block_M], accum_dtype)
+            logsum = T.alloc_fragment([block_M], accum_dtype)
+
+            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # arrive and its TMA load completes the byte count; "empty": every consumer thread
+            # arrives when it no longer reads the buffer. K and V stages have a pair each.
+            q_full = T.alloc_barrier(128)
+            q_empty = T.alloc_barrier(consumers)
+            k_full = T.alloc_barrier([128] * num_stages)
+            v_full = T.alloc_barrier([128] * num_stages)
+            k_empty = T.alloc_barrier([consumers] * num_stages)
+            v_empty = T.alloc_barrier([consumers] * num_stages)
+            # What every key step after the first reads and writes (key_step's arguments).
+            step_buffers = (
+                Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o, scores_max,
+                scores_max_prev, scores_scale, scores_sum, logsum, k_full, v_full, k_empty, v_empty,
+            )  # fmt: skip
+            # Both sides count the key blocks and tiles they have been through, so each knows
+            # which stage (g % num_stages) and barrier phase (g // num_stages) comes next.
+            kv_count = T.alloc_var("int32")
+            tile_count = T.alloc_var("int32")
+            sink = T.alloc_var(accum_dtype)  # this tile's sink logit (consumers)
+            kv_count = 0
+            tile_count = 0
+            n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
+            tx = T.get_thread_binding()
+
+            if tx >= consumers:
+                # ----------------------------------------------------------- producer warpgroup
+                T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
+                for it in T.serial(n_iter):
+                    t = tile_index(cta, it)
+                    if t < num_tiles:
+                        m_blk, by, bz = tile_coords(t)
+                        n_start, n_blocks = key_range(m_blk)
+                        load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz)
+                        for k in T.serial(n_blocks):
+                            load_kv(
+                                K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+                                kv_count + k, n_start + k, by, bz,
+                            )  # fmt: skip
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
+            else:
+                # ---------------------------------------------------------- consumer warpgroups
+                T.set_max_nreg(consumer_regs, 1)
+                for it in T.serial(n_iter):
+                    t = tile_index(cta, it)
+                    if t < num_tiles:
+                        m_blk, by, bz = tile_coords(t)
+                        n_start, n_blocks = key_range(m_blk)
+                        n_left, n_inner_end = mask_runs(m_blk, n_start, n_blocks)
+                        T.fill(acc_o, 0)
+                        T.fill(logsum, 0)
+                        T.fill(scores_max, neg_inf)
+                        if has_sinks:  # loaded now, used in the epilogue: its latency hides
+                            sink = Sinks[by]
+                        T.mbarrier_wait_parity(q_full, tile_count & 1)
+
+                        # First key block of the window: S = Q Kᵀ, its softmax; P waits in
+                        # registers.
+                        stage = kv_count % num_stages
+                        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+                        scores(Q_shared, K_shared[stage, :, :], acc_s)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(k_empty[stage])
+                        if window_left >= 0:
+                            mask(n_start, m_blk, acc_s)  # the left edge, or a tile of one block
+                        else:
+                            if n_inner_end == 0:
+                                mask(n_start, m_blk, acc_s)
+                        softmax(
+                            acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
+                        )
+                        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
+
+                        # The other key blocks. A window bounded on the left has two edges: its
+                        # blocks go in three runs, left edge (masked), the blocks every row sees
+                        # whole (no mask), right edge and ragged tail (masked), so that no block
+                        # decides at run time whether to mask; with that decision in the loop
+                        # ptxas spills (D=128, window (1024, 0)). A window open on the left keeps
+                        # the dense kernel's single loop, each block testing k >= n_inner_end:
+                        # three runs there spill at D=64 with 192-row tiles and trip TileLang
+                        # 0.1.15's ThreadSync pass on some causal shapes.
+                        if window_left >= 0:
+                            for k in T.serial(1, n_left):
+                                key_step(kv_count + k, n_start + k, True, m_blk, *step_buffers)
+                            for k in T.serial(T.max(1, n_left), n_inner_end):
+                                key_step(kv_count + k, n_start + k, False, m_blk, *step_buffers)
+                            for k in T.serial(T.max(1, n_inner_end), n_blocks):
+                                key_step(kv_count + k, n_start + k, True, m_blk, *step_buffers)
+                        else:
+                            for k in T.serial(1, n_blocks):
+                                key_step(
+                                    kv_count + k, n_start + k, k >= n_inner_end, m_blk,
+                                    *step_buffers,
+                                )  # fmt: skip
+                        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
+                        T.barrier_arrive(q_empty)
+
+                        g = kv_count + n_blocks - 1
+                        stage = g % num_stages
+                        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+                        pv(acc_s_cast, V_shared[stage, :, :], acc_o)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(v_empty[stage])
+
+                        # scores_scale and scores_sum are free now: they carry each row's
+                        # output factor and lse through the epilogue.
+                        epilogue(
+                            acc_o, logsum, scores_max, sink, scores_scale, scores_sum, O_shared,
+                            Output, lse, m_blk, by, bz,
+                        )  # fmt: skip
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
+
+    return flash_fwd
+
+
+def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
+    """Tile configuration for a (head dim, window as the kernel takes it — see
+    ``normalize_window`` —, arch, key length ``seq_len``).
+
+    The dense GQA forward's tiles (examples/flash_attention/example_gqa_fwd_bshd.py, measured on
+    an H100 with full and causal masks), except where this kernel's masks need more registers:
+    D=128: 128×128 tiles (two consumer warpgroups), two K/V stages. D=64: 192-row tiles (three
+    consumer warpgroups at 160 registers) for a window open on the left, except one bounded on
+    the right with Sk ≤ 2048 (128-row tiles, as the dense kernel's causal case); a window bounded
+    on the left takes 128-row tiles (with 192 rows, its two-sided mask makes ptxas spill). Not
+    tuned for narrow windows yet: ``--tune`` compares the alternatives.
+    """
+    if not arch.startswith("sm_90"):
+        raise ValueError(
+            f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg)"
+        )
+    left, right = window
+    if dim <= 64:
+        short = right >= 0 and seq_len is not None and seq_len <= 2048
+        if left >= 0 or short:
+            return dict(block_M=128, block_N=128, num_stages=2)
+        return dict(block_M=192, block_N=128, num_stages=2)
+    return dict(block_M=128, block_N=128, num_stages=2)
+
+
+def tune_configs(dim):
+    """The small space ``--tune`` compares (64 query rows per consumer warpgroup; at D=128 two
+    warpgroups at most: with a third, 128 registers a thread are too few)."""
+    rows = (64, 128, 192) if dim <= 64 else (64, 128)
+    return [
+        dict(block_M=bm, block_N=bn, num_stages=st)
+        for bm in rows
+        for bn in (64, 128)
+        for st in (1, 2)
+    ]
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def device_arch(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def dtype_name(t):
+    return "float16" if t.dtype == torch.float16 else "bfloat16"
+
+
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_window(window_size):
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if not (ok and all(_is_int(w) and w >= -1 for w in window_size)):
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), "
+            f"got {window_size!r}"
+        )
+
+
+def normalize_window(window_size, causal, seq_q, seq_k):
+    """(left, right) as the kernel takes it: ``right = 0`` when causal (FlashAttention's rule),
+    and a bound that no row reaches becomes -1 (left >= Sk - 1, right >= Sq - 1: the window of
+    every row already covers all keys on that side), so equivalent windows share one kernel."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    if left >= seq_k - 1:
+        left = -1
+    if right >= seq_q - 1:
+        right = -1
+    return left, right
+
+
+def _check_inputs(q, k, v, sinks, window_size, causal, softmax_scale):
+    """ValueError naming the first bad argument; the device last, so any other needs no GPU."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    real = isinstance(softmax_scale, numbers.Real)
+    if softmax_scale is not None and not (real and 0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+    _check_window(window_size)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, seqlen, dim], got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    B, H, _, D = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"k must be [{B}, heads_kv, seqlen_k, {D}] to match q, got {tuple(k.shape)}"
+        )
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise ValueError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+        if tuple(sinks.shape) != (H,):
+            raise ValueError(f"sinks must be [heads] = [{H}], got {tuple(sinks.shape)}")
+        if sinks.dtype != torch.float32:
+            raise ValueError(f"sinks must be float32, got {sinks.dtype}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    if not (q.is_cuda and q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
+        )
+
+
+def attention(
+    q,
+    k,
+    v,
+    sinks=None,
+    window_size=(-1, -1),
+    causal=False,
+    softmax_scale=None,
+    return_lse=False,
+    config=None,
+):
+    """Attention with sinks and a sliding window: ``q [B, H, Sq, D]``, ``k, v [B, Hkv, Sk, D]``
+    (fp16/bf16, CUDA), ``sinks [H]`` float32 or None, ``window_size (left, right)``.
+
+    Returns ``out [B, H, Sq, D]``, and ``lse [B, H, Sq]`` (float32, natural log, sink included)
+    when ``return_lse``. ``config`` overrides the tile configuration (see ``default_config``).
+    """
+    _check_inputs(q, k, v, sinks, window_size, causal, softmax_scale)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    left, right = normalize_window(window_size, causal, Sq, Sk)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    measured = default_config(D, (left, right), device_arch(q.device), Sk)  # raises off Hopper
+    cfg = config or measured
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        has_sinks = sinks is not None
+        # The kernel takes a sinks tensor either way; without sinks it never reads it.
+        sinks_in = sinks.detach().contiguous() if has_sinks else lse.new_empty(H)
+        kernel = flashattn_fwd(
+            B, H, Hkv, Sq, Sk, D, left, right, has_sinks, float(softmax_scale), dtype_name(q),
+            **cfg, num_sms=num_sms,
+        )  # fmt: skip
+        kernel(q, k, v, sinks_in, out, lse)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- reference
+def window_mask(seq_q, seq_k, window_size, causal, device=None):
+    """Boolean ``[Sq, Sk]``: True where query i sees key j (bottom-right aligned window; causal
+    sets right = 0)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+    cols = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= cols >= rows - left
+    if right >= 0:
+        visible &= cols <= rows + right
+    return visible
+
+
+def ref_program(
+    q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None, return_lse=False
+):
+    """Plain PyTorch in float32 (float64 inputs stay float64; runs on CPU too), same conventions
+    as ``attention``."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    D = q.shape[-1]
+    Sq, Sk = q.shape[2], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    groups = q.shape[1] // k.shape[1]
+    # Each kv head serves `groups` consecutive query heads.
+    kf, vf = (einops.repeat(t.to(acc), "b h s d -> b (h g) s d", g=groups) for t in (k, v))
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), kf) * scale
+    visible = window_mask(Sq, Sk, window_size, causal, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse_keys = torch.logsumexp(scores, dim=-1)  # -inf for a row that sees no key
+    lse = lse_keys
+    if sinks is not None:  # the sink joins the denominator: lse = log(exp(sink) + Σ exp(s))
+        lse = torch.logaddexp(lse_keys, sinks.to(acc)[None, :, None].expand_as(lse_keys))
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bhkd->bhqd", probs, vf).to(q.dtype)
+    # Rows that see no key: out 0 (above), lse +inf (the collection's convention), sink or not.
+    lse = lse.masked_fill(torch.isneginf(lse_keys), float("inf"))
+    return (out, lse) if return_lse else out
+
+
+def attended_pairs(seq_q, seq_k, window_size, causal) -> int:
+    """How many (query, key) pairs the window lets through: the work a window kernel does."""
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(seq_q, dtype=torch.int64) + (seq_k - seq_q)
+    lo = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    hi = (rows + right).clamp(max=seq_k - 1) if right >= 0 else torch.full_like(rows, seq_k - 1)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def window_flops(batch, heads, seq_q, seq_k, dim, window_size, causal) -> float:
+    """Forward FLOPs over the attended pairs only: 4·B·H·pairs·D (QKᵀ and PV)."""
+    return 4.0 * batch * heads * attended_pairs(seq_q, seq_k, window_size, causal) * dim
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def _window_bound(text):
+    value = int(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= -1 (-1: unbounded), got {text}")
+    return value
+
+
+def build_parser(description=None, tune=True):
+    """The command line; example_gqa_sink_bwd_bhsd.py shares it (its own title, no --tune)."""
+    description = description or __doc__.splitlines()[0]
+    parser = _harness().base_parser(description, archs=ARCHS, dims=HEAD_DIMS, tune=tune)
+    parser.add_argument("--groups", type=int, default=8, help="query heads per kv head")
+    parser.add_argument(
+        "--window",
+        nargs=2,
+        type=_window_bound,
+        default=[-1, -1],
+        metavar=("LEFT", "RIGHT"),
+        help="sliding window (keys before and after the diagonal; -1: unbounded)",
+    )
+    parser.add_argument(
+        "--sinks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one random sink logit per query head (--no-sinks: plain attention)",
+    )
+    return parser
+
+
+def _config_name(cfg):
+    return "{block_M}x{block_N}/{num_stages}st".format(**cfg)
+
+
+def _load_example(relpath):
+    """A script of examples/flash_attention (the dense peer), or None when it is not there."""
+    path = pathlib.Path(__file__).resolve().parents[1] / relpath
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("peer_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flex_peer(q, k, v, sinks, window_size, causal, softmax_scale):
+    """FlexAttention (compiled) with the window as a block mask; the sink by rescaling its
+    output with its lse, per row: ``out · exp(lse) / (exp(lse) + exp(sink))`` =
+    ``out · sigmoid(lse − sink)``. Returns a callable, or None when FlexAttention is missing."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    except ImportError:
+        return None
+    left, right = window_size
+    if causal:
+        right = 0
+    Sq, Sk = q.shape[2], k.shape[2]
+    offset = Sk - Sq
+
+    def window(b, h, q_idx, kv_idx):
+        visible = kv_idx >= 0
+        if left >= 0:
+            visible = visible & (kv_idx >= q_idx + offset - left)
+        if right >= 0:
+            visible = visible & (kv_idx <= q_idx + offset + right)
+        return visible
+
+    block_mask = create_block_mask(window, None, None, Sq, Sk, device=q.device)
+    compiled = torch.compile(flex_attention) if q.is_cuda else flex_attention
+    gqa = q.shape[1] != k.shape[1]
+
+    def run():
+        out, aux = compiled(
+            q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=gqa,
+            return_aux=AuxRequest(lse=True),
+        )  # fmt: skip
+        if sinks is None:
+            return out
+        keep = torch.sigmoid(aux.lse - sinks[None, :, None])  # exp(lse) / (exp(lse) + exp(sink))
+        return (out * keep[..., None]).to(q.dtype)
+
+    return run
+
+
+def dense_peer(q, k, v, causal, softmax_scale):
+    """Our dense forward on the same inputs, without window or sinks (a speed reference):
+    example_mha_fwd_bhsd.py for MHA, example_gqa_fwd_bshd.py (on BSHD copies, made here,
+    outside the timing) for GQA. None when the script is not found."""
+    if q.shape[1] == k.shape[1]:
+        mod = _load_example("flash_attention/example_mha_fwd_bhsd.py")
+        return mod and (lambda: mod.attention(q, k, v, causal, softmax_scale))
+    mod = _load_example("flash_attention/example_gqa_fwd_bshd.py")
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return mod and (lambda: mod.attention(qt, kt, vt, causal, softmax_scale))
+
+
+def main(argv=None):
+    harness = _harness()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.groups < 1 or args.heads % args.groups != 0:
+        parser.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
+    B, H, Sq, D = args.batch, args.heads, args.seq_len, args.dim
+    Hkv = H // args.groups
+    Sk = args.seq_len_k or Sq
+    scale = 1.0 / math.sqrt(D)
+    window = tuple(args.window)
+    left, right = normalize_window(window, args.causal, Sq, Sk)
+    script = pathlib.Path(__file__).name
+    what = (
+        f"B{B} H{H} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} window={window} causal={args.causal} "
+        f"sinks={args.sinks} {args.dtype}"
+    )
+
+    if args.compile_only:
+        cfg = default_config(D, (left, right), args.arch, Sk)
+        kernel = harness.compile_for(
+            flashattn_fwd, args.arch, B, H, Hkv, Sq, Sk, D, left, right, args.sinks, scale,
+            args.dtype, **cfg,
+        )  # fmt: skip
+        print(f"{script}: built for {args.arch} with {cfg} (window as built: {(left, right)})")
+        print(harness.describe_source("flashattn_fwd", kernel.get_kernel_source()))
+        return
+
+    harness.require_gpu(script, capability=(9, 0))
+    dtype = harness.DTYPES[args.dtype]
+    torch.manual_seed(0)
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype)
+    sinks = torch.randn(H, device="cuda", dtype=torch.float32) * 2 if args.sinks else None
+
+    def ours(cfg):
+        return lambda: attention(q, k, v, sinks, window, args.causal, scale, config=cfg)
+
+    def benchmark(configs):
+        """Ours, one row per entry of ``configs`` (name → config), beside FlexAttention and our
+        dense kernel; every row charged the attended pairs only (so TFLOP/s compare as times)."""
+        peers = {}
+        flex = flex_peer(q, k, v, sinks, window, args.causal, scale)
+        if flex is not None:
+            # A peer must agree with us before it is timed.
+            err = harness.rel_error(flex(), ours(next(iter(configs.values())))())
+            if err < 1e-2:
+                peers["flex_attention"] = flex
+            else:
+                print(f"  flex_attention disagrees with ours (rel {err:.2e}): not timed")
+        dense_causal = args.causal or window[1] == 0
+        dense = dense_peer(q, k, v, dense_causal, scale)
+        dense_name = "tilelang dense" + (" causal" if dense_causal else "")
+        if dense is not None:
+            peers[dense_name] = dense
+        flops = window_flops(B, H, Sq, Sk, D, window, args.causal)
+        rows = harness.report(f"forward {what}", dict(ours_named(configs)), peers, flops)
+        for r in rows:  # the dense kernel's rate on the work it does
+            if r["impl"] == dense_name:
+                own = harness.attention_flops(B, H, Sq, Sk, D, D, dense_causal) / r["ms"] * 1e-9
+                print(f"  ({dense_name} on its own FLOPs, no window: {own:.1f} TFLOP/s)")
+        return rows
+
+    def ours_named(configs):
+        return {name: ours(cfg) for name, cfg in configs.items()}
+
+    config = None
+    if args.tune:
+        # Every tune_configs entry side by side in one report; the fastest is checked.
+        named = {"tilelang " + _config_name(c): c for c in tune_configs(D)}
+        config = named[harness.fastest(benchmark(named))]
+        print(f"tuned: {config}")
+
+    if args.check:
+        out, lse = attention(q, k, v, sinks, window, args.causal, scale, True, config)
+        ref_out, ref_lse = ref_program(q, k, v, sinks, window, args.causal, scale, True)
+        print(f"check {what}")
+        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
+        harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
+
+    if args.bench and not args.tune:
+        benchmark({"tilelang": config})
+
+
+if __name__ == "__main__":
+    main()

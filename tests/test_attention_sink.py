@@ -1,0 +1,888 @@
+"""Attention with sinks and a sliding window (examples/attention_sink/): the reference against a
+direct float64 computation, the window's block ranges and the kernel's tile loop (emulated on the
+CPU), command line, sm_90a builds with their generated code and ptxas report, bad input (CPU);
+the correctness matrix of docs/CONVENTIONS.md ("Correctness") on a GPU (marker ``gpu``)."""
+
+import inspect
+import itertools
+import math
+import re
+
+import pytest
+import torch
+from helpers import EXAMPLES, load_script, rel_err
+
+FWD = "attention_sink/example_gqa_sink_fwd_bhsd.py"
+WINDOWS = [(-1, -1), (128, 0), (64, 64), (3, 0)]
+
+
+def make_inputs(B, Sq, Sk, H, Hkv, D, dtype=torch.float32, device="cpu", scale=1.0, sinks=True):
+    """q, k, v (BHSD, normal random values times ``scale``) and sinks (float32 [H] or None)."""
+    g = torch.Generator(device=device).manual_seed(B * 1000 + Sq * 7 + Sk + D + H)
+    q, k, v = (
+        (torch.randn(s, generator=g, device=device) * scale).to(dtype)
+        for s in ((B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D))
+    )
+    s = torch.randn(H, generator=g, device=device, dtype=torch.float32) * 2 if sinks else None
+    return q, k, v, s
+
+
+def direct(q, k, v, sinks, window_size, causal, scale):
+    """Float64, written differently from ref_program: the window as an explicit loop-built
+    boolean mask, the sink as an extra logit column concatenated to the scores and dropped after
+    the softmax. Rows that see no key: out 0, lse +inf."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    groups = H // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    left, right = window_size
+    if causal:
+        right = 0
+    mask = torch.zeros(Sq, Sk, dtype=torch.bool)
+    for i in range(Sq):
+        for j in range(Sk):
+            centre = i + Sk - Sq
+            mask[i, j] = (left < 0 or j >= centre - left) and (right < 0 or j <= centre + right)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        column = sinks.double()[None, :, None, None].expand(B, H, Sq, 1)
+        scores = torch.cat([scores, column], dim=-1)
+    lse = scores.logsumexp(-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :Sk]
+    empty = ~mask.any(-1)
+    out = (probs @ v).masked_fill(empty[:, None], 0.0)
+    return out, lse.masked_fill(empty, math.inf)
+
+
+# ----------------------------------------------------------------------------- reference (CPU)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(150, 150), (40, 200), (200, 40), (7, 7)])
+def test_reference_matches_direct_float64(window, causal, Sq, Sk):
+    mod = load_script(FWD)
+    groups = 8 if Sq == Sk else 2
+    q, k, v, sinks = make_inputs(2, Sq, Sk, 8, 8 // groups, 16, dtype=torch.float64)
+    for s in (sinks, None):
+        out, lse = mod.ref_program(q, k, v, s, window, causal, 0.3, return_lse=True)
+        ref_out, ref_lse = direct(q, k, v, s, window, causal, 0.3)
+        torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+
+
+def test_reference_rows_without_keys():
+    """Sq > Sk, causal: the first Sq − Sk rows see no key; a window (0, 0) with Sq > Sk likewise,
+    and a window whose right edge ends before key 0. Out 0 and lse +inf, sink or not."""
+    mod = load_script(FWD)
+    q, k, v, sinks = make_inputs(1, 9, 4, 4, 2, 16, dtype=torch.float64)
+    for window, causal in (((-1, -1), True), ((3, 0), False), ((0, 0), True)):
+        for s in (sinks, None):
+            out, lse = mod.ref_program(q, k, v, s, window, causal, return_lse=True)
+            assert torch.all(out[:, :, :5] == 0) and torch.all(torch.isposinf(lse[:, :, :5]))
+            assert torch.all(torch.isfinite(lse[:, :, 5:]))
+    # (2, 1) with Sq = 9, Sk = 4: row i sees keys i − 7 … i − 4, the first four rows see none
+    out, lse = mod.ref_program(q, k, v, sinks, (3, -1), False, return_lse=True)
+    assert torch.all(torch.isfinite(lse))
+    out, lse = mod.ref_program(q, k, v, sinks, (1, 0), False, return_lse=True)
+    assert torch.all(torch.isposinf(lse[:, :, :5])) and torch.all(out[:, :, :5] == 0)
+
+
+def test_reference_sink_semantics():
+    """The sink only joins the denominator: out = out_without_sink · sigmoid(lse_keys − sink), a
+    sink of -inf is no sink, and lse includes the sink."""
+    mod = load_script(FWD)
+    q, k, v, sinks = make_inputs(2, 33, 50, 4, 4, 16, dtype=torch.float64)
+    sinks = sinks.double()
+    plain, lse_keys = mod.ref_program(q, k, v, None, (5, 2), False, return_lse=True)
+    out, lse = mod.ref_program(q, k, v, sinks, (5, 2), False, return_lse=True)
+    keep = torch.sigmoid(lse_keys - sinks[None, :, None])
+    torch.testing.assert_close(out, plain * keep[..., None])
+    torch.testing.assert_close(lse, torch.logaddexp(lse_keys, sinks[None, :, None]))
+    no_sink = torch.full_like(sinks, -math.inf)
+    torch.testing.assert_close(mod.ref_program(q, k, v, no_sink, (5, 2)), plain)
+
+
+def test_causal_sets_right_to_zero():
+    """FlashAttention's rule: causal=True makes the window (left, 0), whatever right says."""
+    mod = load_script(FWD)
+    q, k, v, sinks = make_inputs(1, 40, 60, 4, 2, 16, dtype=torch.float64)
+    a = mod.ref_program(q, k, v, sinks, (7, 5), True)
+    b = mod.ref_program(q, k, v, sinks, (7, 0), False)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert mod.normalize_window((7, 5), True, 40, 60) == (7, 0)
+    assert mod.normalize_window((-1, -1), True, 40, 60) == (-1, 0)
+
+
+def test_normalize_window_keeps_the_mask():
+    """Bounds no row reaches become -1 (one kernel for equivalent windows); the mask stays."""
+    mod = load_script(FWD)
+    for Sq, Sk in ((1, 1), (1, 9), (9, 1), (20, 20), (13, 30), (30, 13)):
+        for window in itertools.product((-1, 0, 1, 5, 12, 29, 40), repeat=2):
+            for causal in (False, True):
+                norm = mod.normalize_window(window, causal, Sq, Sk)
+                expect = mod.window_mask(Sq, Sk, window, causal)
+                assert torch.equal(mod.window_mask(Sq, Sk, norm, False), expect), (window, norm)
+    assert mod.normalize_window((128, 0), False, 4096, 4096) == (128, 0)
+    assert mod.normalize_window((5000, 5000), False, 4096, 4096) == (-1, -1)
+
+
+def test_attended_pairs_counts_the_mask():
+    mod = load_script(FWD)
+    for Sq, Sk in ((1, 1), (17, 17), (255, 1000), (1000, 255), (64, 64)):
+        for window in [*WINDOWS, (1024, 0), (0, 0), (-1, 3)]:
+            for causal in (False, True):
+                expect = int(mod.window_mask(Sq, Sk, window, causal).sum())
+                assert mod.attended_pairs(Sq, Sk, window, causal) == expect
+    B, H, S, D = 2, 4, 4096, 128  # full attention: the usual count, causal: the visible half
+    assert mod.window_flops(B, H, S, S, D, (-1, -1), False) == 4 * B * H * S * S * D
+    assert mod.window_flops(B, H, S, S, D, (-1, -1), True) == 4 * B * H * S * (S + 1) // 2 * D
+
+
+# ----------------------------------------------------------------------------- window blocks (CPU)
+def _blocks(mod, m_blk, block_M, block_N, Sq, Sk, left, right):
+    """The kernel's block bookkeeping for one tile, as ints: (n_start, n_blocks, n_left,
+    n_inner_end)."""
+    tile = (block_M, block_N, Sq, Sk, left, right)
+    n_start, n_blocks = (int(x) for x in mod.window_key_blocks(m_blk, *tile))
+    n_left, n_inner_end = (int(x) for x in mod.window_mask_runs(m_blk, n_start, n_blocks, *tile))
+    return n_start, n_blocks, n_left, n_inner_end
+
+
+SHAPES = [(1, 1), (1, 37), (37, 1), (17, 17), (40, 13), (13, 40), (64, 64), (100, 37), (5, 200)]
+SMALL_WINDOWS = [(-1, -1), (0, 0), (3, 0), (0, 3), (8, 8), (16, 0), (-1, 5), (5, -1), (39, 2)]
+TILES = [(8, 8), (16, 8), (8, 16), (12, 8), (16, 32)]
+
+
+@pytest.mark.parametrize("Sq,Sk", SHAPES)
+def test_window_blocks_are_exactly_the_blocks_seen(Sq, Sk):
+    """What the producer loads and the consumers walk: every key block some row of the tile sees,
+    and no other (a tile whose rows see nothing visits one block, masked whole); the blocks the
+    consumers leave unmasked are seen whole by every row of the tile."""
+    mod = load_script(FWD)
+    for window, causal, (block_M, block_N) in itertools.product(
+        SMALL_WINDOWS, (False, True), TILES
+    ):
+        left, right = mod.normalize_window(window, causal, Sq, Sk)
+        n_key_blocks = math.ceil(Sk / block_N)
+        padded = torch.zeros(Sq, n_key_blocks * block_N, dtype=torch.bool)
+        padded[:, :Sk] = mod.window_mask(Sq, Sk, window, causal)
+        for m in range(math.ceil(Sq / block_M)):
+            n_start, n_blocks, n_left, n_inner_end = _blocks(
+                mod, m, block_M, block_N, Sq, Sk, left, right
+            )
+            where = (Sq, Sk, window, causal, block_M, block_N, m)
+            rows = padded[m * block_M : (m + 1) * block_M].view(-1, n_key_blocks, block_N)
+            seen = rows.any(-1).any(0).nonzero().flatten().tolist()
+            if seen:
+                assert (n_start, n_blocks) == (seen[0], seen[-1] - seen[0] + 1), where
+            else:
+                assert n_blocks == 1 and 0 <= n_start < n_key_blocks, where
+            assert 0 <= n_left <= n_inner_end <= n_blocks, where
+            for k in range(n_left, n_inner_end):
+                assert rows[:, n_start + k].all(), (*where, k)
+
+
+def emulate_kernel(mod, q, k, v, sinks, window_size, causal, scale, block_M, block_N):
+    """The kernel's algorithm on the CPU in float64, tile by tile: the key blocks of
+    window_key_blocks, masks only where the kernel applies them (window_mask_runs, and the
+    first block as the kernel treats it), the online softmax in base 2 with the dense kernel's
+    -inf guard, the sink folded in at the end."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    groups = H // k.shape[1]
+    left, right = mod.normalize_window(window_size, causal, Sq, Sk)
+    offset, s2 = Sk - Sq, scale * mod.LOG2E
+    out = torch.full((B, H, Sq, D), math.nan, dtype=torch.float64)
+    lse = torch.full((B, H, Sq), math.nan, dtype=torch.float64)
+    for b, h, m in itertools.product(range(B), range(H), range(math.ceil(Sq / block_M))):
+        n_start, n_blocks, n_left, n_inner_end = _blocks(
+            mod, m, block_M, block_N, Sq, Sk, left, right
+        )
+        rows = torch.arange(m * block_M, (m + 1) * block_M)
+        qt = torch.zeros(block_M, D, dtype=torch.float64)
+        qt[: min(block_M, Sq - m * block_M)] = q[b, h, m * block_M : (m + 1) * block_M].double()
+        acc = torch.zeros(block_M, D, dtype=torch.float64)
+        row_max = torch.full((block_M,), -math.inf, dtype=torch.float64)
+        row_sum = torch.zeros(block_M, dtype=torch.float64)
+        for step in range(n_blocks):
+            kb = n_start + step
+            keys = torch.arange(kb * block_N, (kb + 1) * block_N)
+            kt, vt = (torch.zeros(block_N, D, dtype=torch.float64) for _ in range(2))
+            n = min(block_N, Sk - kb * block_N)  # TMA fills past Sk with zeros
+            kt[:n] = k[b, h // groups, kb * block_N : kb * block_N + n].double()
+            vt[:n] = v[b, h // groups, kb * block_N : kb * block_N + n].double()
+            s = qt @ kt.T
+            if not n_left <= step < n_inner_end or (step == 0 and left >= 0):
+                vis = (keys < Sk)[None, :].expand(block_M, -1)
+                centre = (rows + offset)[:, None]
+                if right >= 0:
+                    vis = vis & (keys[None, :] <= centre + right)
+                if left >= 0:
+                    vis = vis & (keys[None, :] >= centre - left)
+                s = s.masked_fill(~vis, -math.inf)
+            prev = row_max
+            row_max = torch.maximum(row_max, s.max(-1).values)
+            row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+            factor = torch.exp2(prev * s2 - row_max * s2)
+            p = torch.exp2(s * s2 - row_max[:, None] * s2)
+            row_sum = row_sum * factor + p.sum(-1)
+            acc = acc * factor[:, None] + p @ vt
+        m2 = row_max * s2
+        if sinks is not None:
+            sink = float(sinks[h]) * mod.LOG2E
+            m_sink = torch.clamp(m2, min=sink)
+            ratio = torch.exp2(m2 - m_sink)
+            total = row_sum * ratio + torch.exp2(sink - m_sink)
+        else:
+            m_sink, ratio, total = m2, torch.ones_like(m2), row_sum
+        seen = row_sum > 0
+        o = torch.where(seen[:, None], acc * (ratio / total)[:, None], 0.0)
+        l_ = torch.where(seen, (torch.log2(total) + m_sink) / mod.LOG2E, math.inf)
+        real = min(block_M, Sq - m * block_M)
+        out[b, h, m * block_M : m * block_M + real] = o[:real]
+        lse[b, h, m * block_M : m * block_M + real] = l_[:real]
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,window,causal,tile",
+    [
+        (40, 40, (8, 0), False, (16, 8)),
+        (40, 40, (-1, -1), True, (16, 16)),
+        (37, 61, (5, 5), False, (8, 16)),
+        (61, 37, (12, 0), True, (16, 8)),
+        (61, 37, (-1, -1), True, (8, 8)),  # rows that see no key
+        (50, 50, (3, -1), False, (16, 8)),
+        (1, 45, (128, 0), False, (16, 16)),
+        (45, 45, (64, 64), False, (12, 8)),
+    ],
+)
+def test_kernel_tile_loop_matches_reference(Sq, Sk, window, causal, tile):
+    """The kernel's loop structure (block ranges, edge-only masks, online softmax, the sink
+    folded in at the end), emulated with small tiles, gives the reference's numbers, sinks
+    of every size included (far above and below the scores, -inf)."""
+    mod = load_script(FWD)
+    q, k, v, sinks = make_inputs(2, Sq, Sk, 4, 2, 16, dtype=torch.float64, scale=2.0)
+    sinks = torch.tensor([0.5, 40.0, -30.0, -math.inf], dtype=torch.float64)
+    for s in (sinks, None):
+        out, lse = emulate_kernel(mod, q, k, v, s, window, causal, 0.25, *tile)
+        ref_out, ref_lse = mod.ref_program(q, k, v, s, window, causal, 0.25, return_lse=True)
+        assert rel_err(out, ref_out) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
+
+
+# ----------------------------------------------------------------------------- script (CPU)
+def test_script_contract():
+    """The API of docs/CONVENTIONS.md ("Script contract") with this family's two arguments."""
+    import ast
+
+    mod = load_script(FWD)
+    params = inspect.signature(mod.attention).parameters
+    assert list(params) == [
+        "q", "k", "v", "sinks", "window_size", "causal", "softmax_scale", "return_lse", "config"
+    ]  # fmt: skip
+    assert params["sinks"].default is None and params["window_size"].default == (-1, -1)
+    assert params["causal"].default is False and params["softmax_scale"].default is None
+    ref = list(inspect.signature(mod.ref_program).parameters)
+    assert ref == list(params)[:-1]
+    assert list(inspect.signature(mod.main).parameters) == ["argv"]
+    source = (EXAMPLES / FWD).read_text()
+    assert 'if __name__ == "__main__":\n    main()' in source
+    kernels = [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef)
+        and any(ast.unparse(d) == "T.prim_func" for d in node.decorator_list)
+    ]
+    assert kernels == ["flash_fwd"]
+    macros = re.findall(r"@T\.macro\n    def (\w+)", source)
+    assert {"load_q", "load_kv", "scores", "mask", "softmax", "rescale", "pv", "epilogue"} <= set(
+        macros
+    )
+    tune = mod.build_parser()._option_string_actions["--tune"]
+    assert tune.help == mod._harness().TUNE_HELP
+
+
+def test_command_line(capsys):
+    mod = load_script(FWD)
+    parser = mod.build_parser()
+    args = parser.parse_args([])
+    assert args.window == [-1, -1] and args.sinks is True and args.causal is False
+    args = parser.parse_args(["--window", "128", "0", "--no-sinks", "--causal"])
+    assert args.window == [128, 0] and args.sinks is False and args.causal is True
+    assert parser.parse_args(["--window", "-1", "64"]).window == [-1, 64]
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--window LEFT RIGHT" in text and "--no-sinks" in text and "--groups" in text
+    bad = [  # argv, what the one-line error names
+        (["--window", "128"], "--window"),  # two values
+        (["--window", "-2", "0"], "--window"),
+        (["--window", "a", "0"], "--window"),
+        (["--dim", "256"], "--dim"),
+        (["--dtype", "float32"], "--dtype"),
+        (["--sinks", "yes"], "yes"),  # a switch takes no value
+        (["--groups", "5", "--heads", "32"], "--groups"),
+        (["--arch", "sm_100a"], "--arch"),
+    ]
+    for argv, fragment in bad:
+        with pytest.raises(SystemExit) as exc:
+            mod.main(["--compile-only", *argv])
+        assert exc.value.code == 2, argv
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert fragment in last, (argv, last)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_main_without_gpu_says_so():
+    with pytest.raises(SystemExit) as exc:
+        load_script(FWD).main(["--seq_len", "128"])
+    assert "--compile-only" in str(exc.value.code)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_peer_matches_reference():
+    """main's FlexAttention peer (eager here, on the CPU): the window as a block mask, the sink
+    by rescaling with its lse, GQA, rows that see no key; the same numbers as the reference."""
+    mod = load_script(FWD)
+    for Sq, Sk in ((70, 90), (90, 70)):
+        q, k, v, sinks = make_inputs(1, Sq, Sk, 4, 2, 16)
+        for window, causal in (((16, 0), False), ((-1, -1), True), ((8, 8), False)):
+            for s in (sinks, None):
+                out = mod.flex_peer(q, k, v, s, window, causal, 0.25)()
+                ref = mod.ref_program(q, k, v, s, window, causal, 0.25)
+                assert rel_err(out, ref) < 1e-5, (Sq, Sk, window, causal)
+
+
+# ----------------------------------------------------------------------------- sm_90a builds (CPU)
+# (D, Sq, Sk, window, causal, sinks, dtype): every head dim, causal or not, several windows,
+# with and without sinks, ragged and Sq != Sk. default_config's tiles: 128 or 192 query rows.
+BUILDS = [
+    (64, 1000, 1000, (128, 0), True, True, "bfloat16"),
+    (64, 4096, 4096, (1024, 0), False, False, "float16"),
+    (64, 777, 1000, (64, 64), False, True, "float16"),
+    (128, 1000, 1000, (128, 0), True, True, "bfloat16"),
+    (128, 4096, 4096, (-1, -1), False, True, "float16"),
+    (128, 1000, 777, (-1, -1), True, False, "bfloat16"),
+    (128, 4096, 4096, (64, 64), False, False, "float16"),
+]
+
+
+def _build_id(build):
+    D, Sq, Sk, window, causal, sinks, dtype = build
+    return f"D{D}-Sq{Sq}-Sk{Sk}-w{window[0]}_{window[1]}-{'causal' if causal else 'full'}-" + (
+        "sinks" if sinks else "nosinks"
+    )
+
+
+def _build(build, **cfg):
+    import harness
+
+    mod = load_script(FWD)
+    D, Sq, Sk, window, causal, sinks, dtype = build
+    left, right = mod.normalize_window(window, causal, Sq, Sk)
+    cfg = cfg or mod.default_config(D, (left, right), "sm_90a", Sk)
+    args = (2, 16, 2, Sq, Sk, D, left, right, sinks, 1 / math.sqrt(D), dtype)
+    return harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg), cfg
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
+def test_sm90_build_holds_the_schedule_and_spills_nothing(build):
+    """Producer/consumer register split (setmaxnreg), TMA and mbarriers between them,
+    asynchronous WGMMA with the softmax overlapping P V; the sinks read only when given; shared
+    memory within an SM's; ptxas: no spills, no stack, no serialized WGMMA."""
+    from test_flash_bwd_fast import SMEM_LIMIT, ptxas_report
+
+    import harness
+
+    kernel, cfg = _build(build)
+    src = kernel.get_kernel_source()
+    threads = 2 * cfg["block_M"] + 128
+    regs = min(240, (65536 - 128 * 24) // (2 * cfg["block_M"]) // 8 * 8)
+    assert f"__launch_bounds__({threads}, 1)" in src
+    assert "warpgroup_reg_dealloc<24>" in src and f"warpgroup_reg_alloc<{regs}>" in src
+    assert "tma_load" in src and ".expect_transaction(" in src and ".wait(" in src
+    assert "wgmma_ss" in src and "wgmma_rs" in src  # Q Kᵀ from shared, P V with P in registers
+    assert src.count("wait_wgmma<1>") >= 1, "Q Kᵀ of block k overlaps P V of block k-1"
+    assert ("Sinks[" in src) == build[5]
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "Potential Performance Loss" not in report, report
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("left,runs", [(1000, 3), (-1, 1)])
+def test_key_loop_runs(left, runs):
+    """A window bounded on the left: the key loop in three runs (left edge masked, whole blocks,
+    right edge masked), each with its own copy of the step (one wait_wgmma<1> each); open on the
+    left: the dense kernel's single loop. (A left edge that falls on a block boundary spans one
+    block, the first, handled before the loop: TileLang then drops the first run, rightly.)"""
+    import harness
+
+    mod = load_script(FWD)
+    cfg = dict(block_M=128, block_N=128, num_stages=2)
+    args = (1, 4, 4, 4096, 4096, 128, left, 0, True, 0.125, "float16")
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert src.count("wait_wgmma<1>") == runs
+
+
+def test_compile_only_main(capsys):
+    mod = load_script(FWD)
+    argv = ["--compile-only", "--seq_len", "255", "--dim", "64", "--heads", "8"]
+    mod.main([*argv, "--window", "64", "0", "--causal"])
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out and "wgmma" in out and "(64, 0)" in out
+
+
+def test_hopper_only():
+    with pytest.raises(ValueError, match="Hopper"):
+        load_script(FWD).default_config(128, (-1, -1), "sm_100a")
+
+
+def test_tune_space_builds_for_sm90():
+    """Every --tune entry builds (D=64 and D=128, a causal window)."""
+    import harness
+
+    mod = load_script(FWD)
+    for dim in (64, 128):
+        for cfg in mod.tune_configs(dim):
+            args = (1, 4, 1, 512, 512, dim, 128, 0, True, 1 / math.sqrt(dim), "float16")
+            src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+            assert "wgmma" in src, cfg
+
+
+# ----------------------------------------------------------------------------- bad input (CPU)
+def _bad_inputs():
+    """(description, kwargs, expected message fragment) for every rejected input."""
+    q, k, v, sinks = make_inputs(1, 16, 16, 4, 2, 64, torch.float16)
+    ok = dict(q=q, k=k, v=v, sinks=sinks)
+    cases = [
+        ("float32", dict(ok, q=q.float()), "float16 or bfloat16"),
+        ("mixed dtypes", dict(ok, k=k.bfloat16()), "share a dtype"),
+        ("rank 3", dict(ok, q=q[0]), "q must be"),
+        ("k/v shapes differ", dict(ok, v=v[:, :, :8]), "same shape"),
+        ("head dim 256", dict(ok, q=q.repeat(1, 1, 1, 4), k=k.repeat(1, 1, 1, 4),
+                              v=v.repeat(1, 1, 1, 4)), "head dim"),
+        ("head dim mismatch", dict(ok, k=k[..., :32], v=v[..., :32]), "k must be"),
+        ("strided last dim", dict(ok, k=k.transpose(-1, -2).contiguous().transpose(-1, -2)),
+         "last dimension"),
+        ("H % Hkv", dict(ok, q=q[:, :3], sinks=sinks[:3]), "H % Hkv"),
+        ("CPU tensors", ok, "CUDA tensor"),
+        ("sinks shape [H, 1]", dict(ok, sinks=sinks[:, None]), "sinks must be \\[heads\\]"),
+        ("sinks shape [Hkv]", dict(ok, sinks=sinks[:2]), "sinks must be \\[heads\\]"),
+        ("sinks float16", dict(ok, sinks=sinks.half()), "sinks must be float32"),
+        ("sinks float64", dict(ok, sinks=sinks.double()), "sinks must be float32"),
+        ("sinks a list", dict(ok, sinks=sinks.tolist()), "sinks must be a torch.Tensor"),
+        ("sinks on another device", dict(ok, sinks=sinks.to("meta")), "sinks must be on q's"),
+    ]  # fmt: skip
+    for window in [(1, 2, 3), (5,), 5, None, "(-1, -1)", (-2, 0), (0, -5), (1.0, 0),
+                   (0, 1.5), (True, 0), (0, False), (torch.tensor(3), 0)]:  # fmt: skip
+        cases.append((f"window_size={window!r}", dict(ok, window_size=window), "window_size"))
+    return cases
+
+
+def test_bad_input_raises_value_error_naming_argument():
+    mod = load_script(FWD)
+    for what, kwargs, fragment in _bad_inputs():
+        with pytest.raises(ValueError, match=fragment):
+            mod.attention(**kwargs)
+            pytest.fail(f"accepted bad input: {what}")
+
+
+def test_good_windows_and_sinks_reach_the_device_check():
+    """Valid values pass every rule but the last (CUDA tensors): lists and numpy ints for the
+    window, sinks None or float32 [H], -inf sinks included."""
+    import numpy as np
+
+    mod = load_script(FWD)
+    q, k, v, sinks = make_inputs(1, 16, 16, 4, 2, 64, torch.float16)
+    for window in [(-1, -1), [128, 0], (0, 0), (np.int64(3), -1), (10**6, 10**6)]:
+        for s in (sinks, None, torch.full((4,), -math.inf)):
+            with pytest.raises(ValueError, match="CUDA tensor"):
+                mod.attention(q, k, v, s, window, causal=True)
+
+
+# ----------------------------------------------------------------------------- GPU
+SEQS = [(1, 1), (17, 17), (255, 255), (1000, 1000), (4096, 4096), (255, 1000), (1000, 255),
+        (17, 4096)]  # fmt: skip
+GPU_WINDOWS = [(-1, -1), (128, 0), (1024, 0), (64, 64)]
+FACTORS = {  # name: values; the matrix covers every pair of values of two factors
+    "seqs": SEQS,
+    "window": GPU_WINDOWS,
+    "sinks": [True, False],
+    "causal": [False, True],
+    "groups": [1, 8],
+    "dtype": [torch.float16, torch.bfloat16],
+    "dim": [64, 128],
+}
+
+
+def _pairs(case):
+    items = list(case.items())
+    return {((a, va), (b, vb)) for (a, va), (b, vb) in itertools.combinations(items, 2)}
+
+
+def pairwise_cases():
+    """A small set of cases holding every pair of factor values (greedy, deterministic): the
+    full product is 1024 cases, each its own kernel build."""
+    names = list(FACTORS)
+    product = [
+        dict(zip(names, values, strict=True)) for values in itertools.product(*FACTORS.values())
+    ]  # noqa: E501
+    uncovered = set().union(*(_pairs(c) for c in product))
+    cases = []
+    while uncovered:
+        best = max(product, key=lambda c: len(_pairs(c) & uncovered))
+        cases.append(best)
+        uncovered -= _pairs(best)
+    return cases
+
+
+def test_gpu_matrix_covers_every_pair():
+    cases = pairwise_cases()
+    assert len(cases) <= 60
+    covered = set().union(*(_pairs(c) for c in cases))
+    for (a, va), (b, vb) in itertools.combinations(
+        [(n, v) for n, vals in FACTORS.items() for v in vals], 2
+    ):
+        if a != b:
+            assert ((a, va), (b, vb)) in covered, (a, va, b, vb)
+
+
+def _case_id(c):
+    Sq, Sk = c["seqs"]
+    dt = "f16" if c["dtype"] == torch.float16 else "bf16"
+    return (
+        f"Sq{Sq}-Sk{Sk}-w{c['window'][0]}_{c['window'][1]}-"
+        f"{'causal' if c['causal'] else 'full'}-{'sinks' if c['sinks'] else 'nosinks'}-"
+        f"g{c['groups']}-D{c['dim']}-{dt}"
+    )
+
+
+def check_forward(mod, B, Sq, Sk, H, Hkv, D, window, causal, sinks, dtype, scale=1.0, cfg=None):
+    q, k, v, s = make_inputs(B, Sq, Sk, H, Hkv, D, dtype, "cuda", scale, sinks)
+    out, lse = mod.attention(q, k, v, s, window, causal, return_lse=True, config=cfg)
+    ref_out, ref_lse = mod.ref_program(q, k, v, s, window, causal, return_lse=True)
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 output
+    assert rel_err(lse, ref_lse) < 1e-4  # lse from fp32 scores: much tighter
+    empty = ~mod.window_mask(Sq, Sk, window, causal, "cuda").any(-1)
+    assert torch.all(out[:, :, empty] == 0) and torch.all(torch.isposinf(lse[:, :, empty]))
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", pairwise_cases(), ids=_case_id)
+def test_forward_matches_reference(case, poisoned_empty):
+    mod = load_script(FWD)
+    Sq, Sk = case["seqs"]
+    B = 1 if max(Sq, Sk) == 4096 else 2
+    check_forward(
+        mod, B, Sq, Sk, 8, 8 // case["groups"], case["dim"], case["window"], case["causal"],
+        case["sinks"], case["dtype"],
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,Sq,Sk,H,Hkv,D,window,causal,dtype,scale",
+    [
+        (2, 1000, 1000, 8, 1, 128, (128, 0), True, torch.bfloat16, 10),  # large logits
+        (2, 1000, 1000, 8, 2, 64, (64, 64), False, torch.float16, 10),
+        (2, 1000, 255, 8, 2, 128, (3, 0), True, torch.float16, 1),  # 745 rows see no key
+        (2, 300, 300, 16, 1, 64, (0, 0), False, torch.bfloat16, 1),  # one key a row
+        (3, 1000, 1000, 32, 4, 128, (128, 0), True, torch.bfloat16, 1),  # many tiles per SM
+        (3, 1000, 1000, 32, 4, 64, (-1, -1), True, torch.float16, 1),  # causal pairs
+        (2, 1000, 1000, 40, 40, 128, (-1, 200), False, torch.float16, 1),  # left unbounded
+        (2, 1000, 1000, 40, 5, 64, (200, -1), False, torch.bfloat16, 1),  # right unbounded
+        (1, 4096, 4096, 16, 16, 128, (4095, 0), False, torch.float16, 1),  # = causal
+        (2, 255, 255, 16, 1, 128, (64, 64), True, torch.bfloat16, 1),  # causal: (64, 0)
+    ],
+)
+def test_forward_edge_cases(B, Sq, Sk, H, Hkv, D, window, causal, dtype, scale, poisoned_empty):
+    check_forward(load_script(FWD), B, Sq, Sk, H, Hkv, D, window, causal, True, dtype, scale)
+
+
+@pytest.mark.gpu
+def test_sinks_of_every_size(poisoned_empty):
+    """Per head: a sink far above the scores (the keys get almost no weight), far below, -inf
+    (= no sink), 0; the numbers stay finite and -inf sinks equal sinks=None."""
+    mod = load_script(FWD)
+    q, k, v, _ = make_inputs(2, 1000, 1000, 4, 2, 128, torch.bfloat16, "cuda")
+    sinks = torch.tensor([40.0, -40.0, -math.inf, 0.0], device="cuda")
+    for window, causal in (((128, 0), True), ((-1, -1), False)):
+        out, lse = mod.attention(q, k, v, sinks, window, causal, return_lse=True)
+        ref_out, ref_lse = mod.ref_program(q, k, v, sinks, window, causal, return_lse=True)
+        assert rel_err(out, ref_out) < 1e-2 and rel_err(lse, ref_lse) < 1e-4
+        assert torch.all(out[:, 0].abs() < 1e-6)  # sink 40: exp(40) outweighs every key
+        none = torch.full((4,), -math.inf, device="cuda")
+        plain = mod.attention(q, k, v, None, window, causal)
+        assert rel_err(mod.attention(q, k, v, none, window, causal), plain) < 1e-3
+
+
+@pytest.mark.gpu
+def test_blocks_outside_the_window_are_never_read():
+    """K and V are NaN wherever no tile's window reaches (a NaN V in any block the kernel
+    loads would reach O through P V, masked or not): the output is still the reference's."""
+    mod = load_script(FWD)
+    Sq, Sk, window = 128, 4096, (64, 0)
+    q, k, v, sinks = make_inputs(2, Sq, Sk, 8, 1, 128, torch.float16, "cuda")
+    out_ref = mod.ref_program(q, k, v, sinks, window, False)
+    first = Sk - Sq - window[0]  # row 0's first key; every row starts at or after it
+    k[:, :, : first // 128 * 128] = math.nan
+    v[:, :, : first // 128 * 128] = math.nan
+    out = mod.attention(q, k, v, sinks, window)
+    assert rel_err(out, out_ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_causal_ignores_right():
+    mod = load_script(FWD)
+    q, k, v, sinks = make_inputs(2, 500, 700, 8, 2, 64, torch.float16, "cuda")
+    a = mod.attention(q, k, v, sinks, (100, 37), causal=True)
+    b = mod.attention(q, k, v, sinks, (100, 0), causal=False)
+    assert torch.equal(a, b)
+
+
+def _tune_cases():
+    mod = load_script(FWD)
+    return [(dim, cfg) for dim in (64, 128) for cfg in mod.tune_configs(dim)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,cfg", _tune_cases(), ids=lambda x: str(x))
+def test_tune_space_is_correct(dim, cfg, poisoned_empty):
+    """Every configuration --tune may pick: ragged, Sq != Sk, a window narrower than a block."""
+    mod = load_script(FWD)
+    check_forward(mod, 2, 300, 333, 4, 2, dim, (50, 0), True, True, torch.float16, cfg=cfg)
+    check_forward(mod, 2, 300, 333, 4, 4, dim, (100, 30), False, True, torch.bfloat16, cfg=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--window", "128", "0", "--causal"],
+        ["--window", "64", "64", "--no-sinks", "--dtype", "bfloat16", "--seq_len_k", "700"],
+        ["--groups", "1", "--causal"],
+    ],
+)
+def test_main_small(extra, capsys):
+    argv = ["--batch", "1", "--heads", "8", "--seq_len", "1000", "--dim", "64", *extra]
+    load_script(FWD).main(argv)
+    out = capsys.readouterr().out
+    assert "out " in out and "lse " in out and "tilelang" in out
+    assert "flex_attention" in out and "tilelang dense" in out
+
+
+# ----------------------------------------------------------------------------- backward (CPU)
+BWD = "attention_sink/example_gqa_sink_bwd_bhsd.py"
+
+
+def test_backward_reference_forward_is_the_forward_reference():
+    """The differentiable reference (sink as a logit column) computes what the forward's does."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    for window, causal in (((5, 2), False), ((-1, -1), True), ((3, 0), False)):
+        q, k, v, sinks = make_inputs(2, 30, 20, 4, 2, 16, dtype=torch.float64)
+        for s in (sinks.double(), None):
+            a = bwd.ref_program(q, k, v, s, window, causal, 0.3)
+            b = mod.ref_program(q, k, v, s, window, causal, 0.3)
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window,causal", [((-1, -1), False), ((7, 0), True), ((4, 4), False)])
+def test_sink_grad_matches_autograd(window, causal):
+    """dsinks[h] = −Σ_rows exp(sink_h − lse)·rowsum(O ∘ dO), lse from the forward (the sink
+    included, +inf for rows that see no key), against autograd through the reference."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    q, k, v, sinks = make_inputs(2, 25, 18, 4, 2, 16, dtype=torch.float64)
+    sinks = sinks.double().requires_grad_()
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = bwd.ref_program(q, k, v, sinks, window, causal, 0.3)
+    (expect,) = torch.autograd.grad(out, sinks, dout)
+    out2, lse = mod.ref_program(q, k, v, sinks.detach(), window, causal, 0.3, return_lse=True)
+    delta = (out2 * dout).sum(-1)
+    assert torch.isposinf(lse).any() == (causal or window == (4, 4))  # Sq > Sk: empty rows
+    torch.testing.assert_close(bwd.sink_grad(sinks.detach(), lse, delta).double(), expect)
+
+
+@pytest.mark.parametrize("Sq,Sk", SHAPES)
+def test_window_query_blocks_are_exactly_the_blocks_seen(Sq, Sk):
+    """The backward's loop, for a key block: every query block with a query that sees one of its
+    keys, and no other (the ragged last key block may visit more after them); blocks left
+    unmasked see every key of the key block whole."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    for window, causal, (block_M, block_N) in itertools.product(
+        SMALL_WINDOWS, (False, True), TILES
+    ):
+        left, right = mod.normalize_window(window, causal, Sq, Sk)
+        n_q_blocks = math.ceil(Sq / block_N)
+        padded = torch.zeros(n_q_blocks * block_N, Sk, dtype=torch.bool)
+        padded[:Sq] = mod.window_mask(Sq, Sk, window, causal)
+        for bx in range(math.ceil(Sk / block_M)):
+            q_start, n_q, first_whole, end_whole = (
+                int(x) for x in bwd.window_query_blocks(bx, block_M, block_N, Sq, Sk, left, right)
+            )
+            where = (Sq, Sk, window, causal, block_M, block_N, bx)
+            cols = padded[:, bx * block_M : (bx + 1) * block_M].reshape(n_q_blocks, block_N, -1)
+            seen = cols.any(-1).any(-1).nonzero().flatten().tolist()
+            key_tail = (bx + 1) * block_M > Sk
+            if seen and key_tail:  # may visit more query blocks after its last (fully masked)
+                assert q_start == seen[0] and q_start + n_q - 1 >= seen[-1], where
+                assert q_start + n_q <= n_q_blocks, where
+            elif seen:
+                assert (q_start, n_q) == (seen[0], seen[-1] - seen[0] + 1), where
+            else:
+                assert n_q == 1 and 0 <= q_start < n_q_blocks, where
+            for k in range(q_start, q_start + n_q):
+                if not (key_tail or k < first_whole or k >= end_whole):
+                    assert cols[k].all(), (*where, k)
+
+
+def emulate_backward(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale, block_M, block_N):
+    """The backward kernel's loop on the CPU in float64: per key block and head, the query blocks
+    of window_query_blocks, P from the forward's lse, the mask only where the kernel applies
+    it, dv, dk, dq accumulated as the kernel does; dsinks by sink_grad."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    groups = H // k.shape[1]
+    left, right = mod.normalize_window(window_size, causal, Sq, Sk)
+    out, lse = mod.ref_program(q, k, v, sinks, window_size, causal, scale, return_lse=True)
+    delta = (out * dout).sum(-1)
+    offset = Sk - Sq
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    pad_q = math.ceil(Sq / block_N) * block_N + block_N
+    for b, h, bx in itertools.product(range(B), range(H), range(math.ceil(Sk / block_M))):
+        q_start, n_q, first_whole, end_whole = (
+            int(x) for x in bwd.window_query_blocks(bx, block_M, block_N, Sq, Sk, left, right)
+        )
+        keys = torch.arange(bx * block_M, (bx + 1) * block_M)
+        kt, vt = (torch.zeros(block_M, D, dtype=torch.float64) for _ in range(2))
+        n = min(block_M, Sk - bx * block_M)
+        kt[:n], vt[:n] = k[b, h // groups, keys[:n]], v[b, h // groups, keys[:n]]
+        qp, dop = (torch.zeros(pad_q, D, dtype=torch.float64) for _ in range(2))
+        lp, dp_ = torch.zeros(pad_q, dtype=torch.float64), torch.zeros(pad_q, dtype=torch.float64)
+        qp[:Sq], dop[:Sq], lp[:Sq], dp_[:Sq] = q[b, h], dout[b, h], lse[b, h], delta[b, h]
+        dk_t, dv_t = torch.zeros(block_M, D, dtype=torch.float64), torch.zeros_like(vt)
+        for kq in range(q_start, q_start + n_q):
+            rows = torch.arange(kq * block_N, (kq + 1) * block_N)
+            p = torch.exp(kt @ qp[rows].T * scale - lp[rows][None, :])  # Pᵀ [keys, queries]
+            if (bx + 1) * block_M > Sk or kq < first_whole or kq >= end_whole:
+                vis = (keys[:, None] < Sk) & (rows[None, :] < Sq)
+                centre = rows[None, :] + offset
+                if right >= 0:
+                    vis &= keys[:, None] <= centre + right
+                if left >= 0:
+                    vis &= keys[:, None] >= centre - left
+                p = p.masked_fill(~vis, 0.0)
+            dpt = vt @ dop[rows].T
+            dv_t += p @ dop[rows]
+            ds = p * (dpt - dp_[rows][None, :]) * scale
+            dk_t += ds @ qp[rows]
+            real = rows < Sq
+            dq[b, h, rows[real]] += (ds.T @ kt)[real]
+        dk[b, h // groups, keys[:n]] += dk_t[:n]
+        dv[b, h // groups, keys[:n]] += dv_t[:n]
+    dsinks = None if sinks is None else bwd.sink_grad(sinks, lse, delta)
+    return dq, dk, dv, dsinks
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,window,causal,tile",
+    [
+        (40, 40, (8, 0), False, (16, 8)),
+        (37, 61, (5, 5), False, (8, 16)),
+        (61, 37, (12, 0), True, (16, 8)),  # rows that see no key
+        (50, 50, (3, -1), False, (16, 8)),
+        (45, 45, (-1, -1), True, (12, 8)),
+    ],
+)
+def test_backward_tile_loop_matches_autograd(Sq, Sk, window, causal, tile):
+    """The backward kernel's loop structure (query block ranges, edge-only masks, P from lse,
+    dsinks from lse and delta), emulated with small tiles, gives autograd's gradients."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    q, k, v, sinks = make_inputs(2, Sq, Sk, 4, 2, 16, dtype=torch.float64)
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for s in (sinks.double(), None):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + (
+            [s.clone().requires_grad_()] if s is not None else []
+        )  # noqa: E501
+        out = bwd.ref_program(
+            *leaves[:3], leaves[3] if s is not None else None, window, causal, 0.25
+        )  # noqa: E501
+        expect = torch.autograd.grad(out, leaves, dout)
+        got = emulate_backward(bwd, mod, q, k, v, dout, s, window, causal, 0.25, *tile)
+        for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expect, strict=False):
+            assert rel_err(g, e) < 1e-12, name
+
+
+def test_backward_builds_for_sm90(capsys):
+    """--compile-only builds the four kernels of a training step (a causal window, Sq != Sk);
+    the backward kernel uses WGMMA and TMA, atomics for dQ and dK/dV."""
+    load_script(BWD).main(
+        ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
+         "--window", "128", "0", "--causal", "--dim", "128"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out
+    for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"):
+        assert f"  {name}:" in out
+    assert "flash_bwd: " in out and "wgmma" in out.split("flash_bwd:")[1].splitlines()[0]
+
+
+def test_backward_command_line_and_bad_input(capsys):
+    bwd = load_script(BWD)
+    parser = bwd.build_parser()
+    assert "--tune" not in parser._option_string_actions
+    assert parser.parse_args(["--window", "64", "0", "--no-sinks"]).window == [64, 0]
+    with pytest.raises(SystemExit):
+        bwd.main(["--compile-only", "--window", "-3", "0"])
+    q, k, v, sinks = make_inputs(1, 16, 16, 4, 2, 64, torch.float16)
+    for kwargs, fragment in (
+        (dict(window_size=(1, 2, 3)), "window_size"),
+        (dict(sinks=sinks.half()), "sinks must be float32"),
+        (dict(causal=1), "causal"),
+        (dict(), "CUDA tensor"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            bwd.attention(q, k, v, **{"sinks": sinks, **kwargs})
+
+
+# ----------------------------------------------------------------------------- backward (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,Sq,Sk,H,Hkv,D,window,causal,sinks,dtype",
+    [
+        (2, 1000, 1000, 8, 1, 128, (128, 0), True, True, torch.bfloat16),
+        (2, 1000, 1000, 8, 2, 64, (64, 64), False, True, torch.float16),
+        (2, 255, 1000, 8, 8, 128, (-1, -1), True, True, torch.float16),
+        (2, 1000, 255, 8, 2, 64, (3, 0), True, True, torch.bfloat16),  # rows that see no key
+        (1, 4096, 4096, 8, 1, 64, (1024, 0), False, True, torch.float16),
+        (2, 17, 17, 4, 4, 128, (-1, -1), False, False, torch.bfloat16),
+        (2, 1000, 1000, 8, 2, 128, (200, -1), False, False, torch.float16),
+        (2, 128, 2048, 8, 1, 64, (64, 0), False, True, torch.bfloat16),  # keys no query sees
+    ],
+)
+def test_backward_matches_autograd(
+    B, Sq, Sk, H, Hkv, D, window, causal, sinks, dtype, poisoned_empty
+):  # noqa: E501
+    bwd = load_script(BWD)
+    q, k, v, s = make_inputs(B, Sq, Sk, H, Hkv, D, dtype, "cuda", 1.0, sinks)
+    dout = torch.randn_like(q)
+    leaves = [t.requires_grad_() for t in (q, k, v)] + ([s.requires_grad_()] if sinks else [])
+    out = bwd.attention(q, k, v, s, window, causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = bwd.ref_program(*ref_leaves[:3], ref_leaves[3] if sinks else None, window, causal)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
+    assert rel_err(out, ref) < 1e-2  # fp16/bf16 output
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=False):
+        assert rel_err(g, r) < 2e-2, name  # gradients
+
+
+@pytest.mark.gpu
+def test_backward_main_small(capsys):
+    argv = ["--batch", "1", "--heads", "8", "--seq_len", "1000", "--dim", "64"]
+    load_script(BWD).main([*argv, "--window", "128", "0", "--causal"])
+    out = capsys.readouterr().out
+    assert "dsinks" in out and "tilelang" in out
