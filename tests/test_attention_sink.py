@@ -886,3 +886,26 @@ def test_backward_main_small(capsys):
     load_script(BWD).main([*argv, "--window", "128", "0", "--causal"])
     out = capsys.readouterr().out
     assert "dsinks" in out and "tilelang" in out
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_dq_atomics_follow_the_layout(D):
+    """dQ is added by atomics into a buffer laid out by ``dq_layout`` (columns d and d + 1 lie 32
+    floats apart), so its atomics must stay scalar, each at its laid-out address: the guard
+    against TileLang vectorizing an atomic add without its destination's layout (upstream "Auto
+    Vectorization on AtomicAdd Ignores BufferLayout and LowerArgs"). dK/dV, in a plain layout,
+    take four-float atomics. Groups of 8, a window, S not a multiple of the block."""
+    import harness
+
+    bwd = load_script(BWD)
+    args = (1, 8, 1, 1000, 1000, D, 128, 0, D**-0.5, "bfloat16")
+    kernel = harness.compile_for(bwd.flashattn_bwd, "sm_90a", *args, **bwd.default_config(D))
+    src = kernel.get_kernel_source()
+
+    def atomics(buffer):
+        return set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?" + buffer + r"\[", src))
+
+    assert atomics("dQ") == {"AtomicAdd"}
+    dq_lines = [line for line in src.splitlines() if "AtomicAdd((&(dQ[" in line]
+    assert dq_lines and all("& 1) * 32)" in line for line in dq_lines)
+    assert atomics("dK") == atomics("dV") == {"AtomicAddx4"}
