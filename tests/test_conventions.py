@@ -169,17 +169,35 @@ def test_autograd_class_and_helpers_have_one_name(script):
             assert params.index("config") == params.index("softmax_scale") + 1
 
 
+# Every Hopper script has custom operators: the dense ones and the attention-sink ones (whose
+# arguments differ, so they are not ATTENTION_SCRIPTS, held to the dense API above).
+HOPPER_SCRIPTS = sorted(
+    str(p.relative_to(EXAMPLES))
+    for d in ("flash_attention", "attention_sink")
+    for p in (EXAMPLES / d).glob("*.py")
+)
 CUSTOM_OP_SCRIPTS = [
-    s for s in ATTENTION_SCRIPTS if "torch.library.custom_op" in (EXAMPLES / s).read_text()
+    s for s in HOPPER_SCRIPTS if "torch.library.custom_op" in (EXAMPLES / s).read_text()
 ]
+
+
+def test_every_hopper_script_has_custom_operators():
+    assert CUSTOM_OP_SCRIPTS == HOPPER_SCRIPTS
+    assert any(s.startswith("attention_sink/") for s in HOPPER_SCRIPTS)
 
 
 @pytest.mark.parametrize("script", CUSTOM_OP_SCRIPTS)
 def test_custom_operators_are_named_for_their_script(script):
     """docs/CONVENTIONS.md, "torch.compile": attention_forward_op is tl_attn::<script name
     without example_>, suffixed _forward in a differentiable script, whose attention_backward_op
-    is ..._backward; no other operator."""
+    is ..._backward; no other operator, and no torch.autograd.Function beside them (one
+    autograd mechanism)."""
     mod = load_script(script)
+    assert not [
+        name
+        for name, value in vars(mod).items()
+        if isinstance(value, type) and issubclass(value, torch.autograd.Function)
+    ]
     name = "tl_attn::" + os.path.basename(script).removesuffix(".py").removeprefix("example_")
     ops = {
         value._opoverload._schema.name: attr

@@ -5,9 +5,10 @@ CPU: every operator's schema; its fake implementation (shapes, dtypes, strides) 
 FakeTensorMode, with the real kernels unreachable; ``torch.library.opcheck`` on meta tensors,
 where the fake implementation is what runs; the public functions traced by torch.compile on fake
 CUDA tensors: no graph break, and how often a new length recompiles; configs reaching the
-kernels; ValueErrors, eager and compiled. GPU (marker ``gpu``): a two-layer model compiled with
-``fullgraph=True`` gives eager's outputs and gradients, with no graph break, and recompiles as
-the CPU tests say.
+kernels; ValueErrors, eager and compiled; the attention-sink scripts' operators (sinks or None,
+the window, dsinks) alike. GPU (marker ``gpu``): a two-layer model compiled with
+``fullgraph=True`` gives eager's outputs and gradients (the sink model's dsinks included), with
+no graph break, and recompiles as the CPU tests say.
 """
 
 import inspect
@@ -251,6 +252,15 @@ def test_gqa_bwd_fake_outputs_per_strategy_and_head_dims(name, dims, groups, no_
         check_fake_outputs(GQA_BWD, mod, args, True, name)
 
 
+OPCHECK_TESTS = (  # every test torch.library.opcheck has
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_static",
+    "test_aot_dispatch_dynamic",
+)
+
+
 def opcheck_cases():
     return [(s, i) for s in SCRIPTS for i in range(1 + (s in BACKWARD))]
 
@@ -276,14 +286,7 @@ def test_opcheck_on_meta_tensors(script, which, no_kernels):
         tiles = list(tune_space(mod, name)[0].values())
         op = mod.attention_backward_op
         args = (*backward_args(script, args, out, lse), *settings(script, True, 0.125, tiles, name))
-    tests = (
-        "test_schema",
-        "test_autograd_registration",
-        "test_faketensor",
-        "test_aot_dispatch_static",
-        "test_aot_dispatch_dynamic",
-    )
-    torch.library.opcheck(op, args, test_utils=tests)
+    torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("script", BACKWARD)
@@ -478,6 +481,212 @@ def test_varlen_value_checks_run_inside_the_compiled_operator(script):
         run(*args[:6], 4)
 
 
+# ----------------------------------------------------------------------------- CPU: attention sinks
+# examples/attention_sink/: the same pattern with two more arguments, sinks (Tensor?: None is
+# plain attention) and the window as two ints; the backward operator also returns dsinks, None
+# when sinks is (a Tensor? output). Their tests stand apart: the arguments differ from every
+# other script's.
+SINK_FWD = "attention_sink/example_gqa_sink_fwd_bhsd.py"
+SINK_BWD = "attention_sink/example_gqa_sink_bwd_bhsd.py"
+SINK_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor? sinks, SymInt window_size_left, "
+    "SymInt window_size_right, bool causal, float softmax_scale, SymInt[]? config"
+)
+SINK_SCHEMAS = {
+    SINK_FWD: [f"tl_attn::gqa_sink_fwd_bhsd({SINK_ARGS}) -> (Tensor, Tensor)"],
+    SINK_BWD: [
+        f"tl_attn::gqa_sink_bwd_bhsd_forward({SINK_ARGS}) -> (Tensor, Tensor)",
+        "tl_attn::gqa_sink_bwd_bhsd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, "
+        "Tensor out, Tensor lse, Tensor? sinks, SymInt window_size_left, "
+        "SymInt window_size_right, bool causal, float softmax_scale, SymInt[]? config) "
+        "-> (Tensor, Tensor, Tensor, Tensor?)",
+    ],
+}
+SINK_SCRIPTS = list(SINK_SCHEMAS)
+SINK_WINDOWS = [((-1, -1), False), ((128, 0), True), ((3, 2), False)]
+
+
+def sink_inputs(sinks=True, device="cuda", **sizes):
+    """q [B, H, Sq, D], k, v [B, Hkv, Sk, D] (``inputs``' sizes; half as many kv heads unless
+    ``Hkv`` says) and sinks float32 [H], or None."""
+    q, k, v = inputs(SINK_FWD, device=device, **sizes)
+    return q, k, v, torch.empty(q.shape[1], device=device) if sinks else None
+
+
+def sink_settings(window=(128, 0), causal=True, softmax_scale=0.125, config=None):
+    """The operators' arguments after sinks."""
+    return (*window, causal, softmax_scale, config)
+
+
+@pytest.mark.parametrize("script", SINK_SCRIPTS)
+def test_sink_operator_schemas(script):
+    mod = load_script(script)
+    ops = [mod.attention_forward_op] + ([mod.attention_backward_op] if script == SINK_BWD else [])
+    assert [str(op._opoverload._schema) for op in ops] == SINK_SCHEMAS[script]
+
+
+@pytest.mark.parametrize("script", SINK_SCRIPTS)
+@pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no_sinks"])
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window,causal", SINK_WINDOWS, ids=["full", "causal-128", "3-2"])
+def test_sink_fake_outputs_are_shaped_like_the_real_ones(
+    script, sinks, groups, dtype, window, causal, no_kernels
+):
+    """Under FakeTensorMode: out like q (shape, strides, dtype), lse float32 [B, H, Sq] and
+    contiguous; the backward operator's dq, dk, dv like q, k, v and dsinks float32 [H] and
+    contiguous, or None without sinks; the public function around them likewise."""
+    mod = no_kernels(script)
+    with FakeTensorMode():
+        q, k, v, s = sink_inputs(sinks, H=8, Hkv=8 // groups, dtype=dtype)
+        settings = sink_settings(window, causal)
+        out, lse = mod.attention_forward_op(q, k, v, s, *settings)
+        assert (out.shape, out.stride(), out.dtype) == (q.shape, q.stride(), q.dtype)
+        assert (lse.shape, lse.dtype, lse.is_contiguous()) == (q.shape[:3], torch.float32, True)
+        if script == SINK_BWD:
+            *grads, dsinks = mod.attention_backward_op(out, q, k, v, out, lse, s, *settings)
+            for grad, t in zip(grads, (q, k, v), strict=True):
+                assert (grad.shape, grad.stride(), grad.dtype) == (t.shape, t.stride(), q.dtype)
+            if sinks:
+                assert (dsinks.shape, dsinks.dtype, dsinks.is_contiguous()) == (
+                    s.shape, torch.float32, True,
+                )  # fmt: skip
+            else:
+                assert dsinks is None
+            assert mod.attention(q, k, v, s, window, causal).shape == q.shape
+        else:
+            out, lse = mod.attention(q, k, v, s, window, causal, return_lse=True)
+            assert out.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def sink_opcheck_cases():
+    return [(s, i, w) for s in SINK_SCRIPTS for i in range(1 + (s == SINK_BWD)) for w in (1, 0)]
+
+
+@pytest.mark.parametrize(
+    "script,which,sinks",
+    sink_opcheck_cases(),
+    ids=[f"{s[15:-3]}-{'fb'[i]}-{'sinks' if w else 'none'}" for s, i, w in sink_opcheck_cases()],
+)
+def test_sink_opcheck_on_meta_tensors(script, which, sinks, no_kernels):
+    """torch.library.opcheck, every test it has, on meta tensors (the fake implementation runs),
+    with sinks and without (None): schema, autograd registration (q, k, v and sinks requiring
+    grad in the differentiable script) and the fake implementation under AOTAutograd, static
+    and dynamic."""
+    mod = no_kernels(script)
+    q, k, v, s = sink_inputs(sinks, device="meta")
+    if which == 0:
+        grad = script == SINK_BWD
+        q, k, v = (t.requires_grad_(grad) for t in (q, k, v))
+        s = s if s is None else s.requires_grad_(grad)
+        op, args = mod.attention_forward_op, (q, k, v, s, *sink_settings())
+    else:  # the backward operator is not differentiable itself: plain inputs
+        out, lse = mod.attention_forward_op(q, k, v, s, *sink_settings())
+        tiles = list(mod.default_config(64).values())
+        op = mod.attention_backward_op
+        args = (out, q, k, v, out, lse, s, *sink_settings(config=tiles))
+    torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no_sinks"])
+def test_sink_autograd_saves_sinks_and_returns_dsinks(sinks, monkeypatch):
+    """The forward operator's autograd formula saves q, k, v, out, lse and sinks (None without
+    sinks; lse not differentiable) and hands the backward operator the window, causal,
+    softmax_scale and config; the backward operator's dsinks becomes sinks' gradient, and
+    without sinks q, k, v get theirs (autograd expects None for the None input); on meta
+    tensors."""
+    mod = load_script(SINK_BWD)
+    seen = []
+
+    def backward_op(dout, q, k, v, out, lse, s, *rest):
+        seen.append((q, k, v, out, lse, s, rest))
+        dsinks = None if s is None else torch.full_like(s, 3.0)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
+
+    monkeypatch.setattr(mod, "attention_backward_op", backward_op)
+    q, k, v, s = sink_inputs(sinks, device="meta")
+    leaves = [t.requires_grad_() for t in (q, k, v, s) if t is not None]
+    tiles = list(mod.default_config(64).values())
+    settings = sink_settings((7, 0), True, 0.25, tiles)
+    out, lse = mod.attention_forward_op(q, k, v, s, *settings)
+    assert out.requires_grad and not lse.requires_grad
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    ((sq, sk, sv, sout, slse, ss, rest),) = seen
+    assert (sq, sk, sv, sout.shape, slse.shape) == (q, k, v, out.shape, lse.shape)
+    assert ss is s and rest == settings
+    if sinks:
+        assert grads[3].device.type == "meta" and grads[3].shape == s.shape
+
+
+@pytest.mark.parametrize("script", SINK_SCRIPTS)
+def test_sink_config_travels_as_its_values_in_config_keys_order(script, monkeypatch):
+    """attention(config=...) hands the operator the config's values in CONFIG_KEYS order, and
+    the operator's real implementation hands attention_forward (the forward script's tune
+    configs) or attention_backward (the backward's default tiles) the same dict."""
+    mod = load_script(script)
+    passed, received = [], []
+    real_op = mod.attention_forward_op
+    bwd = script == SINK_BWD
+
+    def op(*args):
+        passed.append(args[-1])
+        return real_op(*args)
+
+    def implementation(*args):  # stands in for attention_forward / attention_backward
+        received.append(args[-1])
+        outputs = tuple(torch.empty(0) for _ in range(3 if bwd else 2))
+        return (*outputs, None) if bwd else outputs
+
+    monkeypatch.setattr(mod, "attention_forward_op", op)
+    monkeypatch.setattr(mod, "attention_backward" if bwd else "attention_forward", implementation)
+    configs = [mod.default_config(64)] if bwd else mod.tune_configs(64)
+    for config in configs:
+        assert tuple(config) == mod.CONFIG_KEYS
+        with FakeTensorMode():  # the wrapper's checks pass on fake CUDA tensors
+            mod.attention(*sink_inputs(), (128, 0), True, config=config)
+        assert passed[-1] == list(config.values())
+        received.clear()
+        q, k, v, s = sink_inputs(device="cpu")  # the real implementation, as dispatched
+        if bwd:
+            mod.attention_backward_op(q, q, k, v, q, q, s, *sink_settings(config=passed[-1]))
+        else:
+            real_op(q, k, v, s, *sink_settings(config=passed[-1]))
+        assert received == [config]
+
+
+@pytest.mark.parametrize("script", SINK_SCRIPTS)
+@pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no_sinks"])
+def test_sink_no_graph_break(script, sinks):
+    """torch._dynamo.explain over the public function on fake CUDA tensors, sinks or None, a
+    window: one graph, no break, holding the operator with the window's two ints."""
+    with FakeTensorMode():
+        args = sink_inputs(sinks)
+        mod = load_script(script)
+        explained = torch._dynamo.explain(lambda *a: mod.attention(*a, (128, 0), True))(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    op = SINK_SCHEMAS[script][0].split("(")[0].replace("::", ".")
+    code = explained.graphs[0].code
+    assert f"torch.ops.{op}.default" in code and ", 128, 0, True, 0.125, None)" in code
+
+
+@pytest.mark.parametrize("script", SINK_SCRIPTS)
+def test_sink_value_errors_eager_and_compiled(script):
+    """Bad sinks raise the same ValueError eagerly and from torch.compile without fullgraph;
+    with fullgraph=True compiling stops with torch._dynamo.exc.Unsupported holding its message."""
+    attention = load_script(script).attention
+    q, k, v, s = sink_inputs(device="cpu")
+    bad = (q, k, v, s.half())
+    message = "sinks must be float32"
+    with pytest.raises(ValueError, match=message):
+        attention(*bad)
+    with pytest.raises(ValueError, match=message):
+        torch.compile(attention, backend="aot_eager")(*bad)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        torch.compile(attention, backend="aot_eager", fullgraph=True)(*bad)
+
+
 # ----------------------------------------------------------------------------- GPU
 def compare(got, want, rtol, names):
     for name, a, b in zip(names, got, want, strict=True):
@@ -646,3 +855,68 @@ def test_compiled_varlen_training_matches_eager(causal, dtype):
         compare(steps[0][:1], steps[1][:1], 1e-2, names[:1])  # fp16/bf16 forward
         compare(steps[0][1:], steps[1][1:], 2e-2, names[1:])  # fp16/bf16 gradients
     assert counter.frame_count == 1
+
+
+class SinkModel(harness.TwoLayerModel):
+    """harness.TwoLayerModel (BHSD, GQA) around an attention-sink script's ``attention``, with a
+    sliding window and one sink logit per query head and layer (a parameter, kept in the
+    model's dtype and cast to float32 for the call, as gpt-oss does), or no sinks."""
+
+    def __init__(self, attention, heads, heads_kv, dim, window, causal, sinks):
+        super().__init__(attention, heads, dim, causal, "bhsd", heads_kv=heads_kv)
+        self.window = window
+        self.sinks = torch.nn.Parameter(torch.randn(len(self.qkv), heads) * 2) if sinks else None
+
+    def forward(self, x):
+        B, S, width = x.shape
+        for layer, (qkv, proj) in enumerate(zip(self.qkv, self.proj, strict=True)):
+            parts = qkv(x).split([h * self.dim for h in self.heads], dim=-1)
+            q, k, v = (
+                t.view(B, S, h, self.dim).transpose(1, 2)
+                for t, h in zip(parts, self.heads, strict=True)
+            )
+            sinks = None if self.sinks is None else self.sinks[layer].float()
+            out = self.attention(q, k, v, sinks, self.window, self.causal)
+            x = x + proj(out.transpose(1, 2).reshape(B, S, width))
+        return x
+
+
+# window, causal, sinks, dtype: a causal window, a two-sided one, full causal without sinks
+SINK_TRAINING = [
+    ((128, 0), True, True, torch.bfloat16),
+    ((64, 64), False, True, torch.float16),
+    ((-1, -1), True, False, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", SINK_SCRIPTS)
+@pytest.mark.parametrize(
+    "window,causal,sinks,dtype",
+    SINK_TRAINING,
+    ids=[f"{w[0]}_{w[1]}-{c}-{'sinks' if s else 'none'}-{d}" for w, c, s, d in SINK_TRAINING],
+)
+def test_compiled_sink_model_matches_eager(script, window, causal, sinks, dtype):
+    """The sink model (4 query heads on 2 kv heads, D 64, S 300) compiled with fullgraph=True
+    against eager: one graph, no break; out within 1e-2; with the backward script, gradients
+    (x, every weight and the sinks) within 2e-2, and no dsinks without sinks."""
+    torch.manual_seed(0)
+    model = SinkModel(load_script(script).attention, 4, 2, 64, window, causal, sinks)
+    model = model.to("cuda", dtype)
+    x, dout = dense_batch(dtype, S=300)
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    op = SINK_SCHEMAS[script][0].split("(")[0].replace("::", ".")
+    assert f"torch.ops.{op}.default" in explained.graphs[0].code
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    if script == SINK_FWD:  # forward only: inference
+        with torch.no_grad():
+            compare([compiled(x)], [model(x)], 1e-2, ["out"])  # fp16/bf16 forward
+        return
+    eager = training_step(model, x, dout)
+    got = training_step(compiled, x, dout)
+    names = ["dx"] + [f"d{name}" for name, _ in model.named_parameters()]
+    assert ("dsinks" in names) == sinks
+    compare(got[:1], eager[:1], 1e-2, ["out"])  # fp16/bf16 forward
+    compare(got[1:], eager[1:], 2e-2, names)  # fp16/bf16 gradients

@@ -45,6 +45,11 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
         default ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), differentiable (``torch.autograd``).
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_bwd_bhsd_forward``
+(``torch.library``), whose autograd formula calls ``tl_attn::gqa_sink_bwd_bhsd_backward``, so
+``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
+break.
+
 Run:
     python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --causal --window 128 0
     python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --compile-only --arch sm_90a
@@ -326,8 +331,10 @@ def sink_grad(sinks, lse, delta):
 
 def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale):
     """example_gqa_sink_fwd_bhsd.py's persistent forward: ``out [B, H, Sq, D]`` and
-    ``lse [B, H, Sq]`` (float32, natural log, the sink included)."""
-    return fwd.attention(q, k, v, sinks, window_size, causal, softmax_scale, return_lse=True)
+    ``lse [B, H, Sq]`` (float32, natural log, the sink included). The sibling's plain function,
+    not its ``attention``: that would check the input again and call its operator inside this
+    script's, a second dispatch that adds nothing."""
+    return fwd.attention_forward(q, k, v, sinks, window_size, causal, softmax_scale)
 
 
 def attention_backward(
@@ -339,7 +346,7 @@ def attention_backward(
     Hkv, Sk = k.shape[1], k.shape[2]
     dtype = fwd.dtype_name(q)
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
-        dsinks = None if sinks is None else torch.zeros_like(sinks)
+        dsinks = None if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
     left, right = fwd.normalize_window(window_size, causal, Sq, Sk)
     cfg = config or default_config(D, fwd.device_arch(q.device))
@@ -360,27 +367,89 @@ def attention_backward(
     return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype), dsinks
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """Forward (example_gqa_sink_fwd_bhsd.py's kernel) saves (q, k, v, out, lse, sinks);
-    backward runs preprocess, backward, postprocess and ``sink_grad``."""
+# torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
+# examples/flash_attention/example_mha_bwd_bshd.py, with this family's two arguments: ``sinks``
+# may be None (Tensor?) and the window travels as its two ints, as the caller gave them (the
+# operators normalize it on the real lengths). A config (the backward tiles) travels as its
+# values in CONFIG_KEYS order (an operator takes no dicts; None: the default). The forward
+# operator runs example_gqa_sink_fwd_bhsd.py's plain attention_forward, never its operator.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "threads")
 
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, window_size, causal, softmax_scale, config):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        out, lse = attention_forward(q, k, v, sinks, window_size, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.window_size, ctx.causal = window_size, causal
-        ctx.softmax_scale, ctx.config = softmax_scale, config
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = attention_backward(
-            dout, q, k, v, out, lse, sinks, ctx.window_size, ctx.causal, ctx.softmax_scale,
-            ctx.config,
-        )  # fmt: skip
-        return dq, dk, dv, dsinks, None, None, None, None
+@torch.library.custom_op("tl_attn::gqa_sink_bwd_bhsd_forward", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    window_size_left: int,
+    window_size_right: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = (window_size_left, window_size_right)
+    return attention_forward(q, k, v, sinks, window, causal, softmax_scale)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, config):
+    B, H, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+# dsinks is None without sinks: a ``Tensor?`` output, which torch.library cannot infer from a
+# type hint (an output's hint may not be Optional), so this operator spells out its schema.
+@torch.library.custom_op(
+    "tl_attn::gqa_sink_bwd_bhsd_backward",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sinks, "
+    "SymInt window_size_left, SymInt window_size_right, bool causal, float softmax_scale, "
+    "SymInt[]? config) -> (Tensor, Tensor, Tensor, Tensor?)",
+)
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    window_size_left: int,
+    window_size_right: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    window = (window_size_left, window_size_right)
+    return attention_backward(dout, q, k, v, out, lse, sinks, window, causal, softmax_scale, cfg)
+
+
+@attention_backward_op.register_fake
+def _(
+    dout, q, k, v, out, lse, sinks, window_size_left, window_size_right, causal, softmax_scale,
+    config,
+):  # fmt: skip
+    dsinks = None if sinks is None else q.new_empty(sinks.shape, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sinks)  # sinks may be None
+    ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.settings = (window_size_left, window_size_right, causal, softmax_scale, config)
+
+
+def backward(ctx, dout, dlse):
+    # dsinks is None when sinks is: the gradient autograd expects for a None input.
+    dq, dk, dv, dsinks = attention_backward_op(dout, *ctx.saved_tensors, *ctx.settings)
+    return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def attention(
@@ -392,8 +461,12 @@ def attention(
     fwd._check_inputs(q, k, v, sinks, window_size, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    window = tuple(int(w) for w in window_size)
-    return FlashAttnFunc.apply(q, k, v, sinks, window, causal, float(softmax_scale), config)
+    window = [int(w) for w in window_size]  # (left, right): two int arguments of the operator
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    sinks = sinks if sinks is None else sinks.contiguous()
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, _ = attention_forward_op(q, k, v, sinks, *window, causal, float(softmax_scale), tiles)
+    return out
 
 
 # ----------------------------------------------------------------------------- reference

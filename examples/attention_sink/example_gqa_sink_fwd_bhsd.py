@@ -59,6 +59,10 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), or (out, lse) when return_lse.
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_fwd_bhsd``
+(``torch.library``), so ``torch.compile(model, fullgraph=True)`` compiles a model around it
+without a graph break.
+
 Run:
     python examples/attention_sink/example_gqa_sink_fwd_bhsd.py --causal --window 128 0
     python examples/attention_sink/example_gqa_sink_fwd_bhsd.py --window 64 64 --no-sinks
@@ -618,6 +622,65 @@ def _check_inputs(q, k, v, sinks, window_size, causal, softmax_scale):
         )
 
 
+def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config=None):
+    """The kernel on checked, contiguous input (what the operator runs): ``out [B, H, Sq, D]``
+    and ``lse [B, H, Sq]`` (float32, natural log, the sink included). ``window_size`` as the
+    caller gave it; ``normalize_window`` settles it here, on the real lengths."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    left, right = normalize_window(window_size, causal, Sq, Sk)
+    measured = default_config(D, (left, right), device_arch(q.device), Sk)  # raises off Hopper
+    cfg = config or measured
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif out.numel() > 0:
+        has_sinks = sinks is not None
+        # The kernel takes a sinks tensor either way; without sinks it never reads it.
+        sinks_in = sinks.detach().contiguous() if has_sinks else lse.new_empty(H)
+        kernel = flashattn_fwd(
+            B, H, Hkv, Sq, Sk, D, left, right, has_sinks, float(softmax_scale), dtype_name(q),
+            **cfg, num_sms=num_sms,
+        )  # fmt: skip
+        kernel(q, k, v, sinks_in, out, lse)
+    return out, lse
+
+
+# torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
+# Compiled code calls it as one opaque node, without a graph break, and learns its outputs'
+# shapes, dtypes and strides from the fake implementation. ``sinks`` may be None (Tensor?); the
+# window travels as its two ints, as the caller gave them (normalize_window needs the lengths,
+# which may be symbolic in traced code: it runs in the operator). A config travels as its values
+# in CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages")
+
+
+@torch.library.custom_op("tl_attn::gqa_sink_fwd_bhsd", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    window_size_left: int,
+    window_size_right: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    window = (window_size_left, window_size_right)
+    return attention_forward(q, k, v, sinks, window, causal, softmax_scale, cfg)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, config):
+    B, H, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
 def attention(
     q,
     k,
@@ -636,29 +699,13 @@ def attention(
     when ``return_lse``. ``config`` overrides the tile configuration (see ``default_config``).
     """
     _check_inputs(q, k, v, sinks, window_size, causal, softmax_scale)
-    B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    left, right = normalize_window(window_size, causal, Sq, Sk)
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window = [int(w) for w in window_size]  # (left, right): two int arguments of the operator
     q, k, v = (t.contiguous() for t in (q, k, v))
-    measured = default_config(D, (left, right), device_arch(q.device), Sk)  # raises off Hopper
-    cfg = config or measured
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
-        out.zero_()
-        lse.fill_(math.inf)
-    elif out.numel() > 0:
-        has_sinks = sinks is not None
-        # The kernel takes a sinks tensor either way; without sinks it never reads it.
-        sinks_in = sinks.detach().contiguous() if has_sinks else lse.new_empty(H)
-        kernel = flashattn_fwd(
-            B, H, Hkv, Sq, Sk, D, left, right, has_sinks, float(softmax_scale), dtype_name(q),
-            **cfg, num_sms=num_sms,
-        )  # fmt: skip
-        kernel(q, k, v, sinks_in, out, lse)
+    sinks = sinks if sinks is None else sinks.contiguous()
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, lse = attention_forward_op(q, k, v, sinks, *window, causal, float(softmax_scale), tiles)
     return (out, lse) if return_lse else out
 
 
