@@ -324,6 +324,89 @@ def flashattn_bwd(
     # (unpadded, the last group of a ragged Sq would be written past the end of the tensor).
     dq_shape = [batch, padded_rows(seq_q), heads, dim_qk]
 
+    # The steps of one query block and the epilogue, named. T.macro is inlined: the generated
+    # CUDA is the same as with the steps written out in the loop.
+    @T.macro
+    def scores(K_shared, Q_shared, acc_s):
+        # Sᵀ = K Qᵀ of one query block.
+        T.gemm(
+            K_shared,
+            Q_shared,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def probabilities(k, bx, key_tail, first_unmasked, lse_shared, acc_s):
+        # Pᵀ = exp2(Sᵀ·scale − lse·log2 e); lse = +inf (a row with no key) gives 0 and so dq = 0.
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
+        if key_tail or k < first_unmasked or (k + 1) * block_N > seq_q:
+            for i, j in T.Parallel(block_M, block_N):
+                key = bx * block_M + i
+                query = k * block_N + j
+                visible = key < seq_kv and query < seq_q
+                if causal:
+                    visible = visible and key <= query + offset
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
+
+    @T.macro
+    def dp(V_shared, dO_shared, acc_dp):
+        # dPᵀ = V dOᵀ.
+        T.gemm(
+            V_shared,
+            dO_shared,
+            acc_dp,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def dv_update(acc_s, acc_s_cast, dO_shared, dv):
+        # dV += Pᵀ dO, Pᵀ straight from registers.
+        T.copy(acc_s, acc_s_cast)
+        T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def ds(acc_s, acc_dp, delta_shared, ds_cast):
+        # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
+        for i, j in T.Parallel(block_M, block_N):
+            ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
+
+    @T.macro
+    def dk_update(ds_cast, Q_shared, dk):
+        # dK += dSᵀ Q.
+        T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def dq_accumulate(k, by, bz, ds_cast, ds_shared, K_shared, dq, dQ):
+        # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
+        # transposed, then scalar atomic adds, one per element at its ``dq_layout`` address.
+        T.copy(ds_cast, ds_shared)
+        T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(block_N, dim_qk):
+            T.atomic_add(dQ[bz, k * block_N + i, by, j], dq[i, j])
+
+    @T.macro
+    def epilogue(dv, dk, dv_shared, dk_shared, dV, dK, bx, by, bz):
+        T.copy(dv, dv_shared)
+        T.copy(dk, dk_shared)
+        if strategy == "atomic":
+            # One regional atomic per tile: the group's query heads meet in the same dK/dV.
+            T.atomic_add(dV[0, bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dv_shared)
+            T.atomic_add(dK[0, bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dk_shared)
+        else:
+            # Each group member owns slice `by % groups`: plain stores.
+            T.copy(
+                dv_shared, dV[by % groups, bz, bx * block_M : (bx + 1) * block_M, by // groups, :]
+            )
+            T.copy(
+                dk_shared, dK[by % groups, bz, bx * block_M : (bx + 1) * block_M, by // groups, :]
+            )
+
     @T.prim_func
     def flash_bwd(
         Q: T.Tensor(q_shape, dtype),
@@ -381,70 +464,18 @@ def flashattn_bwd(
             # the K/V tiles' TMA loads inside the loop.
             for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
                 T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
-                T.gemm(
-                    K_shared,
-                    Q_shared,
-                    acc_s,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
+                scores(K_shared, Q_shared, acc_s)
                 T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
-                # lse = +inf (a row with no key) gives P = exp2(-inf) = 0 and so dq = 0.
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
-                if key_tail or k < first_unmasked or (k + 1) * block_N > seq_q:
-                    for i, j in T.Parallel(block_M, block_N):
-                        key = bx * block_M + i
-                        query = k * block_N + j
-                        visible = key < seq_kv and query < seq_q
-                        if causal:
-                            visible = visible and key <= query + offset
-                        acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
-
+                probabilities(k, bx, key_tail, first_unmasked, lse_shared, acc_s)
                 T.copy(dO[bz, k * block_N : (k + 1) * block_N, by, :], dO_shared)
-                T.gemm(
-                    V_shared,
-                    dO_shared,
-                    acc_dp,
-                    transpose_B=True,
-                    clear_accum=True,
-                    policy=T.GemmWarpPolicy.FullRow,
-                )
-                T.copy(acc_s, acc_s_cast)
-                T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
-
+                dp(V_shared, dO_shared, acc_dp)
+                dv_update(acc_s, acc_s_cast, dO_shared, dv)
                 T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
-                for i, j in T.Parallel(block_M, block_N):
-                    ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
-                T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
+                ds(acc_s, acc_dp, delta_shared, ds_cast)
+                dk_update(ds_cast, Q_shared, dk)
+                dq_accumulate(k, by, bz, ds_cast, ds_shared, K_shared, dq, dQ)
 
-                # dq needs dsᵀ as an operand: through shared memory.
-                T.copy(ds_cast, ds_shared)
-                T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(block_N, dim_qk):
-                    T.atomic_add(dQ[bz, k * block_N + i, by, j], dq[i, j])
-
-            T.copy(dv, dv_shared)
-            T.copy(dk, dk_shared)
-            if strategy == "atomic":
-                # One regional atomic per tile: the group's query heads meet in the same dK/dV.
-                T.atomic_add(
-                    dV[0, bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dv_shared
-                )
-                T.atomic_add(
-                    dK[0, bz, bx * block_M : (bx + 1) * block_M, by // groups, :], dk_shared
-                )
-            else:
-                # Each group member owns slice `by % groups`: plain stores.
-                T.copy(
-                    dv_shared,
-                    dV[by % groups, bz, bx * block_M : (bx + 1) * block_M, by // groups, :],
-                )
-                T.copy(
-                    dk_shared,
-                    dK[by % groups, bz, bx * block_M : (bx + 1) * block_M, by // groups, :],
-                )
+            epilogue(dv, dk, dv_shared, dk_shared, dV, dK, bx, by, bz)
 
     return flash_bwd
 

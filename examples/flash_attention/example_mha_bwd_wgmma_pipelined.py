@@ -250,6 +250,32 @@ def flash_bwd(
             return by, q_start + i
         return by * groups + i // n_blocks, q_start + i % n_blocks
 
+    # The loop's compute steps, named. T.macro is inlined: the generated CUDA is the same as
+    # with the steps written out. Each GEMM step (scores, dp, dv_update, dq_gemm, dk_update)
+    # issues one asynchronous WGMMA and returns at once; the waits that retire them, and the
+    # barriers that hand buffers back and forth, stay in the loop where their order is read.
+    @T.macro
+    def scores(r0, stage, K_shared, Q_shared, acc_s):
+        # Sᵀ = K Qᵀ for this warpgroup's keys.
+        T.wgmma_gemm(
+            K_shared[r0 : r0 + wg_keys, :],
+            Q_shared[stage, :, :],
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+        )
+
+    @T.macro
+    def dp(r0, stage, V_shared, dO_shared, acc_dp):
+        # dPᵀ = V dOᵀ for this warpgroup's keys.
+        T.wgmma_gemm(
+            V_shared[r0 : r0 + wg_keys, :],
+            dO_shared[stage, :, :],
+            acc_dp,
+            transpose_B=True,
+            clear_accum=True,
+        )
+
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared):
         # Pᵀ = exp2(Sᵀ·scale − lse2). Queries past Sq have lse2 = +inf (P = 0) and need no
@@ -272,6 +298,56 @@ def flash_bwd(
         else:
             for i, j in T.Parallel(wg_keys, block_N):
                 acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[stage, j])
+
+    @T.macro
+    def ds(r0, stage, ds_buf, acc_s, acc_dp, delta_shared, acc_s_cast, ds_cast, ds_shared):
+        # dSᵀ = Pᵀ ∘ (dPᵀ − delta), in place of dPᵀ; Pᵀ and dSᵀ to 16 bits (the operands of
+        # dv_update and dk_update); dSᵀ to shared memory for dq_gemm.
+        for r, c in T.Parallel(wg_keys, block_N):
+            acc_dp[r, c] = acc_s[r, c] * (acc_dp[r, c] - delta_shared[stage, c])
+        T.copy(acc_s, acc_s_cast)
+        T.copy(acc_dp, ds_cast)
+        T.copy(ds_cast, ds_shared[ds_buf, r0 : r0 + wg_keys, :])
+
+    @T.macro
+    def dv_update(stage, acc_s_cast, dO_shared, dv):
+        # dV += Pᵀ dO, Pᵀ straight from registers.
+        T.wgmma_gemm(acc_s_cast, dO_shared[stage, :, :], dv)
+
+    @T.macro
+    def dq_gemm(wg, ds_buf, K_shared, ds_shared, dq):
+        # This warpgroup's part of dQᵀ = Kᵀ dSᵀ (``dq_split``). dSᵀ comes from shared memory:
+        # dQ sums over all the block's keys, so it needs both warpgroups' halves of dSᵀ.
+        if dq_split_dim:  # dQᵀ[half of D, :] = Kᵀ[half of D, :] dSᵀ
+            d0 = wg * dq_rows
+            T.wgmma_gemm(
+                K_shared[:, d0 : d0 + dq_rows],
+                ds_shared[ds_buf, :, :],
+                dq,
+                transpose_A=True,
+                clear_accum=True,
+            )
+        else:  # dQᵀ[:, half of the queries] = Kᵀ dSᵀ[:, half]
+            c0 = wg * dq_cols
+            T.wgmma_gemm(
+                K_shared,
+                ds_shared[ds_buf, :, c0 : c0 + dq_cols],
+                dq,
+                transpose_A=True,
+                clear_accum=True,
+            )
+
+    @T.macro
+    def dk_update(stage, ds_cast, Q_shared, dk):
+        # dK += dSᵀ Q, dSᵀ straight from registers (scaled by softmax_scale once, at the end).
+        T.wgmma_gemm(ds_cast, Q_shared[stage, :, :], dk)
+
+    @T.macro
+    def dq_store(wg, slot, dq, dq_shared):
+        # dQᵀ into dq_shared for producer warp 1's bulk reduce-add, in the order the threads
+        # hold it (``accumulator_index``): 16-byte stores, no bank conflicts.
+        for r, c in T.Parallel(dq_rows, dq_cols):
+            dq_shared[slot, wg * (dq_tile // 2) + accumulator_index(r, c)] = dq[r, c]
 
     @T.macro
     def consumer_warpgroup(
@@ -297,63 +373,29 @@ def flash_bwd(
             _, k = step_coords(by, q_start, n_blocks, i)
             stage = i % num_stages
             phase = (i // num_stages) & 1
-            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued back to back.
+            ds_buf = i % 2  # dSᵀ is double-buffered in shared memory (module docstring)
+            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued back to back, each once its tile has landed.
             T.mbarrier_wait_parity(q_full[stage], phase)
-            T.wgmma_gemm(
-                K_shared[r0 : r0 + wg_keys, :],
-                Q_shared[stage, :, :],
-                acc_s,
-                transpose_B=True,
-                clear_accum=True,
-            )
+            scores(r0, stage, K_shared, Q_shared, acc_s)
             T.mbarrier_wait_parity(do_full[stage], phase)
-            T.wgmma_gemm(
-                V_shared[r0 : r0 + wg_keys, :],
-                dO_shared[stage, :, :],
-                acc_dp,
-                transpose_B=True,
-                clear_accum=True,
-            )
+            dp(r0, stage, V_shared, dO_shared, acc_dp)
             T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still run
             probabilities(wg, k, bx, stage, acc_s, lse_shared)
-            T.wait_wgmma(0)
-            # dSᵀ = Pᵀ ∘ (dPᵀ − delta); both to 16 bits; dSᵀ to shared memory for dQ.
-            for r, c in T.Parallel(wg_keys, block_N):
-                acc_dp[r, c] = acc_s[r, c] * (acc_dp[r, c] - delta_shared[stage, c])
-            T.copy(acc_s, acc_s_cast)
-            T.copy(acc_dp, ds_cast)
-            T.copy(ds_cast, ds_shared[i % 2, r0 : r0 + wg_keys, :])
-            T.wgmma_gemm(acc_s_cast, dO_shared[stage, :, :], dv)  # dV += Pᵀ dO
+            T.wait_wgmma(0)  # dPᵀ is ready
+            ds(r0, stage, ds_buf, acc_s, acc_dp, delta_shared, acc_s_cast, ds_cast, ds_shared)
+            dv_update(stage, acc_s_cast, dO_shared, dv)
             # dSᵀ was written by ordinary stores and is read by WGMMA (the async proxy): fence,
             # then wait for the other warpgroup's half.
             T.fence_proxy_async()
             T.sync_threads(DS_READY, consumers)
-            if dq_split_dim:  # dQᵀ[half of D, :] = Kᵀ[half of D, :] dSᵀ
-                d0 = wg * dq_rows
-                T.wgmma_gemm(
-                    K_shared[:, d0 : d0 + dq_rows],
-                    ds_shared[i % 2, :, :],
-                    dq,
-                    transpose_A=True,
-                    clear_accum=True,
-                )
-            else:  # dQᵀ[:, half of the queries] = Kᵀ dSᵀ[:, half]
-                c0 = wg * dq_cols
-                T.wgmma_gemm(
-                    K_shared,
-                    ds_shared[i % 2, :, c0 : c0 + dq_cols],
-                    dq,
-                    transpose_A=True,
-                    clear_accum=True,
-                )
+            dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
             T.wait_wgmma(1)  # dV is done: dO is free
             T.barrier_arrive(do_empty[stage])
-            T.wgmma_gemm(ds_cast, Q_shared[stage, :, :], dk)  # dK += dSᵀ Q
+            dk_update(stage, ds_cast, Q_shared, dk)
             T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
             slot = i % dq_stages
             T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-            for r, c in T.Parallel(dq_rows, dq_cols):  # 16-byte stores, no bank conflicts
-                dq_shared[slot, wg * (dq_tile // 2) + accumulator_index(r, c)] = dq[r, c]
+            dq_store(wg, slot, dq, dq_shared)
             T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
             T.barrier_arrive(dq_full[slot])
             T.wait_wgmma(0)  # dK is done: Q is free
