@@ -78,11 +78,9 @@ def build_backward(fast, plain, B, H, S, D, causal, dtype):
     plain.flashattn_fwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.forward_config(D, arch))
     plain.flashattn_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **plain.default_config(arch))
     build_forward(fast.fwd, B, H, S, D, causal, dtype)
-    cfg = fast.default_config(D, arch)
-    pad = fast.padded_len(S, cfg["block_N"])
-    fast.flash_bwd_prep(B, H, S, pad, D, dtype)
-    fast.flash_bwd(B, H, S, S, D, causal, D**-0.5, dtype, **cfg)
-    fast.flash_bwd_post(B, H, S, pad, D, D**-0.5, dtype)
+    kernels = fast.backward_kernels(S, S, D, causal, D**-0.5, dtype, fast.default_config(D, arch))
+    for fn, args, kw in kernels.values():
+        fn(B, H, *args, **kw)
 
 
 def build_gqa_backward(gqa, B, H, S, D, causal, dtype):
@@ -91,10 +89,9 @@ def build_gqa_backward(gqa, B, H, S, D, causal, dtype):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gqa.fast_fwd.flashattn_fwd(B, H, Hkv, S, S, D, causal, scale, dtype, **fwd_cfg, num_sms=num_sms)
     cfg = gqa.default_config(D, D, arch, "group")
-    pad = gqa.fast_bwd.padded_len(S, cfg["block_N"])
-    gqa.fast_bwd.flash_bwd_prep(B, H, S, pad, D, dtype)
-    gqa.fast_bwd.flash_bwd(B, H, S, S, D, causal, scale, dtype, **cfg, groups=H // Hkv)
-    gqa.fast_bwd.flash_bwd_post(B, H, S, pad, D, scale, dtype, cfg["block_N"])
+    kernels = gqa.fast_bwd.backward_kernels(S, S, D, causal, scale, dtype, cfg, H // Hkv)
+    for fn, args, kw in kernels.values():
+        fn(B, H, *args, **kw)
     cfg = gqa.default_config(D, D, arch, "atomic")
     gqa.flashattn_bwd_preprocess(B, H, S, D, dtype)
     gqa.flashattn_bwd(B, H, Hkv, S, S, D, D, causal, scale, dtype, "atomic", **cfg)

@@ -904,25 +904,14 @@ def compile_all(
     cfg = config or default_config(dim_qk, dim_v, arch, strategy)
     if strategy == "group":  # the sibling scripts' kernels
         fwd_cfg = fast_fwd.default_config(dim_qk, causal, arch, seq_k)
-        attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, causal, scale, dtype)
-        seq_q_pad = fast_bwd.padded_len(seq_q, cfg["block_N"])
-        shape = (batch, heads, seq_q, seq_q_pad, dim_qk)
+        attn = (heads_kv, seq_q, seq_k, dim_qk, causal, scale, dtype)
+        groups = heads // heads_kv
         kernels = {
             "flash_fwd": (fast_fwd.flashattn_fwd, attn, fwd_cfg),
-            "flash_bwd_prep": (fast_bwd.flash_bwd_prep, (*shape, dtype), {}),
-            "flash_bwd": (
-                fast_bwd.flash_bwd,
-                (batch, heads, seq_q, seq_k, dim_qk, causal, scale, dtype),
-                {**cfg, "groups": heads // heads_kv},
-            ),
-            "flash_bwd_post": (
-                fast_bwd.flash_bwd_post,
-                (*shape, scale, dtype),
-                {"block": cfg["block_N"]},
-            ),
+            **fast_bwd.backward_kernels(seq_q, seq_k, dim_qk, causal, scale, dtype, cfg, groups),
         }
         return {
-            name: harness.compile_for(fn, arch, *args, **kw).get_kernel_source()
+            name: harness.compile_for(fn, arch, batch, heads, *args, **kw).get_kernel_source()
             for name, (fn, args, kw) in kernels.items()
         }
     splits = heads // heads_kv if strategy == "split" else 1

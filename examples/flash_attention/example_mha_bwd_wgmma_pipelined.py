@@ -848,19 +848,33 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
     }
 
 
+def backward_kernels(seq_q, seq_k, dim, causal, softmax_scale, dtype, config, groups=1):
+    """The backward's three kernel factories and their arguments after ``(batch, heads)``:
+    name → (factory, args, kwargs). ``compile_all`` builds them, here and in example_gqa_bwd.py
+    (``groups`` query heads a kv head)."""
+    seq_q_pad = padded_len(seq_q, config["block_N"])
+    bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
+    return {
+        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {}),
+        "flash_bwd": (flash_bwd, bwd_args, {**config, "groups": groups}),
+        "flash_bwd_post": (
+            flash_bwd_post,
+            (seq_q, seq_q_pad, dim, softmax_scale, dtype),
+            {"block": config["block_N"]},
+        ),
+    }
+
+
 def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=None):
     """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(dim, arch)
     fwd_cfg = fwd.default_config(dim, causal, arch, seq_k)
-    seq_q_pad = padded_len(seq_q, cfg["block_N"])
-    post_cfg = {"block": cfg["block_N"]}
     kernels = {
         "flash_fwd": (fwd.flashattn_fwd, (seq_q, seq_k, dim, causal, scale, dtype), fwd_cfg),
-        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {}),
-        "flash_bwd": (flash_bwd, (seq_q, seq_k, dim, causal, scale, dtype), cfg),
-        "flash_bwd_post": (flash_bwd_post, (seq_q, seq_q_pad, dim, scale, dtype), post_cfg),
+        **backward_kernels(
+            seq_q, seq_k, dim, causal, scale, dtype, config or default_config(dim, arch)
+        ),
     }
     return {
         name: harness.compile_for(fn, arch, batch, heads, *args, **kw).get_kernel_source()
