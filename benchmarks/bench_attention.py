@@ -42,8 +42,15 @@ HEADS_KV = 8  # the GQA sweep's kv heads
 
 
 def load(relpath):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(relpath).stem, ROOT / relpath)
+    """Import a script by path, registered in sys.modules under its name: compiled code
+    (dynamo) looks a custom operator's module up there when it traces the call. A script a
+    sibling already imported is that module, so each operator runs one module's code."""
+    name = pathlib.Path(relpath).stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -25,7 +25,6 @@ Prints one table (milliseconds per step); ``--out DIR`` also writes it to ``DIR/
 import argparse
 import copy
 import datetime
-import importlib.util
 import pathlib
 import sys
 
@@ -33,21 +32,13 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_attention import load  # noqa: E402  (scripts imported by path)
+
 import harness  # noqa: E402
 
 TOKENS, HEADS, DIM = 16384, 16, 128
 IMPLS = ("tilelang compiled", "sdpa_cudnn compiled", "tilelang eager", "sdpa_cudnn eager")
-
-
-def load(relpath):
-    """Import a script by path. It must be in sys.modules under its name: compiled code
-    (dynamo) looks the operator's module up there when it traces the call."""
-    name = pathlib.Path(relpath).stem
-    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def cudnn_attention(q, k, v, causal):
