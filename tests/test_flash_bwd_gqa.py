@@ -131,6 +131,19 @@ def test_default_strategy():
     assert pick(128, 128, "sm_100a") == "atomic"
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--strategy", "group", "--dim", "192", "--dim_v", "128"],
+        ["--strategy", "group", "--arch", "sm_100a"],
+    ],
+)
+def test_main_rejects_group_where_it_does_not_build(argv, capsys):
+    with pytest.raises(SystemExit):
+        load_script(GQA_BWD).main(["--compile-only", *argv])
+    assert "--strategy group" in capsys.readouterr().err
+
+
 def test_group_strategy_code():
     """group: one thread block walks every query head of its group, so dK/dV leave by plain
     stores (no atomics at all); dQ by one bulk reduce-add per step, at the step's query head."""

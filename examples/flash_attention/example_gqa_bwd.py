@@ -956,6 +956,10 @@ def main(argv=None):
     Dqk, Dv = args.dim, args.dim_v or args.dim
     if (Dqk, Dv) not in HEAD_DIMS:
         parser.error(f"--dim/--dim_v ({Dqk}, {Dv}) must be one of {HEAD_DIMS}")
+    if args.strategy == "group" and (Dqk, Dv) not in GROUP_DIMS:
+        parser.error(f"--strategy group builds head dims {GROUP_DIMS}, got {(Dqk, Dv)}")
+    if args.compile_only and args.strategy == "group" and not args.arch.startswith("sm_90"):
+        parser.error(f"--strategy group is Hopper's hand-scheduled kernel, not {args.arch}")
     shape = (
         args.batch, args.heads, args.heads // args.groups, args.seq_len,
         args.seq_len_k or args.seq_len, Dqk, Dv, args.causal,
@@ -974,8 +978,6 @@ def main(argv=None):
     harness.require_gpu(script)
     dtype = harness.DTYPES[args.dtype]
     strategy = args.strategy or default_strategy(Dqk, Dv, device_arch(torch.device("cuda")))
-    if strategy == "group" and (Dqk, Dv) not in GROUP_DIMS:
-        parser.error(f"--strategy group builds head dims {GROUP_DIMS}, got {(Dqk, Dv)}")
     config = None
     if args.tune:
         # Every tune_configs entry side by side in one report; the fastest backward is checked.
