@@ -88,6 +88,10 @@ def test_no_spills_and_fits_shared_memory(dim, causal):
     kernel = build(mod, 4, 32, 4096, dim, causal)
     report = ptxas_report(kernel.get_kernel_source())
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    # set_max_nreg shares out the launch's registers: the consumers' rise must come from the
+    # producer's drop, or they wait for it forever (a deadlock, not an error).
+    launch = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert mod.PRODUCER_REGS * 128 + mod.CONSUMER_REGS * 256 <= launch * 384
     # Nor does ptxas serialize the WGMMA pipeline (it does when a branch reads an accumulator
     # of a GEMM still in flight).
     assert "Potential Performance Loss" not in report, report

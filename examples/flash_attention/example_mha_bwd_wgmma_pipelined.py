@@ -120,6 +120,10 @@ BWD_PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
 }
 HEAD_DIMS = (64, 128)
+# Registers a thread after set_max_nreg. It only moves registers between the warpgroups inside
+# the thread block's launch allocation (168 a thread for 384 threads), so the consumers' rise
+# must be paid for by the producer's drop: 128·24 + 256·240 = 384·168. Ask for more and the
+# consumers wait for registers that never come.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # Named barriers (ids below 8 are left to TileLang's own passes): the two consumer warpgroups
