@@ -13,6 +13,7 @@ import torch
 from helpers import EXAMPLES, load_script, rel_err
 
 FWD = "attention_sink/example_gqa_sink_fwd_bhsd.py"
+FAST_BWD = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
 WINDOWS = [(-1, -1), (128, 0), (64, 64), (3, 0)]
 
 
@@ -739,6 +740,38 @@ def test_window_query_blocks_are_exactly_the_blocks_seen(Sq, Sk):
                     assert cols[k].all(), (*where, k)
 
 
+@pytest.mark.parametrize("Sq,Sk", SHAPES)
+def test_fast_query_block_range_is_exactly_the_blocks_seen(Sq, Sk):
+    """The ``group`` strategy's backward (example_mha_bwd_wgmma_pipelined.py's kernel with a
+    window): a key block walks every query block with a query that sees one of its keys, and
+    no other (the ragged last key block may visit more, fully masked); none when no query
+    sees it."""
+    fast, mod = load_script(FAST_BWD), load_script(FWD)
+    for window, causal, (block_M, block_N) in itertools.product(
+        SMALL_WINDOWS, (False, True), TILES
+    ):
+        left, right = mod.normalize_window(window, causal, Sq, Sk)
+        n_q_blocks = math.ceil(Sq / block_N)
+        padded = torch.zeros(n_q_blocks * block_N, Sk, dtype=torch.bool)
+        padded[:Sq] = mod.window_mask(Sq, Sk, window, causal)
+        edges = (left, right, Sk - Sq + right, Sk - Sq - left)
+        for bx in range(math.ceil(Sk / block_M)):
+            q_start, n_q = (
+                int(x)
+                for x in fast.query_block_range(bx, block_M, block_N, n_q_blocks * block_N, edges)
+            )
+            where = (Sq, Sk, window, causal, block_M, block_N, bx)
+            cols = padded[:, bx * block_M : (bx + 1) * block_M].reshape(n_q_blocks, block_N, -1)
+            seen = cols.any(-1).any(-1).nonzero().flatten().tolist()
+            if seen and (bx + 1) * block_M > Sk:
+                assert q_start == seen[0] and q_start + n_q - 1 >= seen[-1], where
+                assert q_start + n_q <= n_q_blocks, where
+            elif seen:
+                assert (q_start, n_q) == (seen[0], seen[-1] - seen[0] + 1), where
+            else:
+                assert n_q == 0, where
+
+
 def emulate_backward(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale, block_M, block_N):
     """The backward kernel's loop on the CPU in float64: per key block and head, the query blocks
     of window_query_blocks, P from the forward's lse, the mask only where the kernel applies
@@ -818,7 +851,7 @@ def test_backward_tile_loop_matches_autograd(Sq, Sk, window, causal, tile):
 
 def test_backward_builds_for_sm90(capsys):
     """--compile-only builds the four kernels of a training step (a causal window, Sq != Sk);
-    the backward kernel uses WGMMA and TMA, atomics for dQ and dK/dV."""
+    the backward kernel (strategy group, the default) uses WGMMA, TMA and the bulk reduce-add."""
     load_script(BWD).main(
         ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
          "--window", "128", "0", "--causal", "--dim", "128"]
@@ -827,7 +860,8 @@ def test_backward_builds_for_sm90(capsys):
     assert "built for sm_90a" in out
     for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"):
         assert f"  {name}:" in out
-    assert "flash_bwd: " in out and "wgmma" in out.split("flash_bwd:")[1].splitlines()[0]
+    line = out.split("flash_bwd:")[1].splitlines()[0]
+    assert "wgmma" in line and "bulk-reduce" in line
 
 
 def test_backward_command_line_and_bad_input(capsys):
@@ -861,16 +895,19 @@ def test_backward_command_line_and_bad_input(capsys):
         (2, 17, 17, 4, 4, 128, (-1, -1), False, False, torch.bfloat16),
         (2, 1000, 1000, 8, 2, 128, (200, -1), False, False, torch.float16),
         (2, 128, 2048, 8, 1, 64, (64, 0), False, True, torch.bfloat16),  # keys no query sees
+        (2, 4096, 4096, 16, 2, 128, (1024, 0), True, True, torch.bfloat16),
+        (1, 777, 1000, 8, 8, 64, (-1, 100), False, True, torch.float16),
     ],
 )
+@pytest.mark.parametrize("strategy", ["group", "atomic"])
 def test_backward_matches_autograd(
-    B, Sq, Sk, H, Hkv, D, window, causal, sinks, dtype, poisoned_empty
+    B, Sq, Sk, H, Hkv, D, window, causal, sinks, dtype, strategy, poisoned_empty
 ):  # noqa: E501
     bwd = load_script(BWD)
     q, k, v, s = make_inputs(B, Sq, Sk, H, Hkv, D, dtype, "cuda", 1.0, sinks)
     dout = torch.randn_like(q)
     leaves = [t.requires_grad_() for t in (q, k, v)] + ([s.requires_grad_()] if sinks else [])
-    out = bwd.attention(q, k, v, s, window, causal)
+    out = bwd.attention(q, k, v, s, window, causal, strategy=strategy)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref = bwd.ref_program(*ref_leaves[:3], ref_leaves[3] if sinks else None, window, causal)
@@ -886,6 +923,37 @@ def test_backward_main_small(capsys):
     load_script(BWD).main([*argv, "--window", "128", "0", "--causal"])
     out = capsys.readouterr().out
     assert "dsinks" in out and "tilelang" in out
+
+
+def test_backward_strategies():
+    """``group`` (the hand-scheduled backward) is the default on Hopper; an unknown strategy
+    is a ValueError before any device check; --strategy picks one."""
+    bwd = load_script(BWD)
+    assert bwd.default_strategy(64) == bwd.default_strategy(128) == "group"
+    assert bwd.default_config(128, strategy="group") == load_script(FAST_BWD).default_config(128)
+    assert bwd.build_parser().parse_args(["--strategy", "atomic"]).strategy == "atomic"
+    q, k, v, sinks = make_inputs(1, 16, 16, 4, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match="strategy"):
+        bwd.attention(q, k, v, sinks, strategy="split")
+
+
+@pytest.mark.parametrize(
+    "D,window,S", [(64, (128, 0), 4096), (128, (1024, 0), 8192), (64, (64, 64), 4096)]
+)
+def test_group_backward_with_a_window_spills_nothing(D, window, S):
+    """The hand-scheduled kernel with both window edges masked (BHSD, groups of 8): no spills,
+    no serialized WGMMA (ptxas), as without a window."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    fast = load_script(FAST_BWD)
+    args = (1, 64, S, S, D, False, D**-0.5, "bfloat16")
+    cfg = dict(fast.default_config(D), groups=8, window=window, layout="bhsd")
+    kernel = harness.compile_for(fast.flash_bwd, "sm_90a", *args, **cfg)
+    report = ptxas_report(kernel.get_kernel_source())
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "Potential Performance Loss" not in report, report
 
 
 @pytest.mark.parametrize("D", [64, 128])

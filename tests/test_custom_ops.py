@@ -492,14 +492,16 @@ SINK_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? sinks, SymInt window_size_left, "
     "SymInt window_size_right, bool causal, float softmax_scale, SymInt[]? config"
 )
+# The backward script's operators also take its strategy (a string) before config.
+SINK_BWD_ARGS = SINK_ARGS.replace("SymInt[]? config", "str strategy, SymInt[]? config")
 SINK_SCHEMAS = {
     SINK_FWD: [f"tl_attn::gqa_sink_fwd_bhsd({SINK_ARGS}) -> (Tensor, Tensor)"],
     SINK_BWD: [
-        f"tl_attn::gqa_sink_bwd_bhsd_forward({SINK_ARGS}) -> (Tensor, Tensor)",
+        f"tl_attn::gqa_sink_bwd_bhsd_forward({SINK_BWD_ARGS}) -> (Tensor, Tensor)",
         "tl_attn::gqa_sink_bwd_bhsd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, "
         "Tensor out, Tensor lse, Tensor? sinks, SymInt window_size_left, "
-        "SymInt window_size_right, bool causal, float softmax_scale, SymInt[]? config) "
-        "-> (Tensor, Tensor, Tensor, Tensor?)",
+        "SymInt window_size_right, bool causal, float softmax_scale, str strategy, "
+        "SymInt[]? config) -> (Tensor, Tensor, Tensor, Tensor?)",
     ],
 }
 SINK_SCRIPTS = list(SINK_SCHEMAS)
@@ -513,9 +515,15 @@ def sink_inputs(sinks=True, device="cuda", **sizes):
     return q, k, v, torch.empty(q.shape[1], device=device) if sinks else None
 
 
-def sink_settings(window=(128, 0), causal=True, softmax_scale=0.125, config=None):
-    """The operators' arguments after sinks."""
-    return (*window, causal, softmax_scale, config)
+def sink_settings(window=(128, 0), causal=True, softmax_scale=0.125, config=None, script=SINK_FWD):
+    """The operators' arguments after sinks (the backward script's: strategy "atomic", whose
+    tiles ``default_config`` gives by default)."""
+    return (*window, causal, softmax_scale, *(("atomic",) if script == SINK_BWD else ()), config)
+
+
+def sink_strategy(script):
+    """attention's strategy keyword for the backward script (none for the forward's)."""
+    return {"strategy": "atomic"} if script == SINK_BWD else {}
 
 
 @pytest.mark.parametrize("script", SINK_SCRIPTS)
@@ -539,7 +547,7 @@ def test_sink_fake_outputs_are_shaped_like_the_real_ones(
     mod = no_kernels(script)
     with FakeTensorMode():
         q, k, v, s = sink_inputs(sinks, H=8, Hkv=8 // groups, dtype=dtype)
-        settings = sink_settings(window, causal)
+        settings = sink_settings(window, causal, script=script)
         out, lse = mod.attention_forward_op(q, k, v, s, *settings)
         assert (out.shape, out.stride(), out.dtype) == (q.shape, q.stride(), q.dtype)
         assert (lse.shape, lse.dtype, lse.is_contiguous()) == (q.shape[:3], torch.float32, True)
@@ -553,7 +561,7 @@ def test_sink_fake_outputs_are_shaped_like_the_real_ones(
                 )  # fmt: skip
             else:
                 assert dsinks is None
-            assert mod.attention(q, k, v, s, window, causal).shape == q.shape
+            assert mod.attention(q, k, v, s, window, causal, strategy="group").shape == q.shape
         else:
             out, lse = mod.attention(q, k, v, s, window, causal, return_lse=True)
             assert out.shape == q.shape and lse.shape == q.shape[:3]
@@ -579,12 +587,12 @@ def test_sink_opcheck_on_meta_tensors(script, which, sinks, no_kernels):
         grad = script == SINK_BWD
         q, k, v = (t.requires_grad_(grad) for t in (q, k, v))
         s = s if s is None else s.requires_grad_(grad)
-        op, args = mod.attention_forward_op, (q, k, v, s, *sink_settings())
+        op, args = mod.attention_forward_op, (q, k, v, s, *sink_settings(script=script))
     else:  # the backward operator is not differentiable itself: plain inputs
-        out, lse = mod.attention_forward_op(q, k, v, s, *sink_settings())
+        out, lse = mod.attention_forward_op(q, k, v, s, *sink_settings(script=script))
         tiles = list(mod.default_config(64).values())
         op = mod.attention_backward_op
-        args = (out, q, k, v, out, lse, s, *sink_settings(config=tiles))
+        args = (out, q, k, v, out, lse, s, *sink_settings(config=tiles, script=script))
     torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
 
 
@@ -607,7 +615,7 @@ def test_sink_autograd_saves_sinks_and_returns_dsinks(sinks, monkeypatch):
     q, k, v, s = sink_inputs(sinks, device="meta")
     leaves = [t.requires_grad_() for t in (q, k, v, s) if t is not None]
     tiles = list(mod.default_config(64).values())
-    settings = sink_settings((7, 0), True, 0.25, tiles)
+    settings = sink_settings((7, 0), True, 0.25, tiles, SINK_BWD)
     out, lse = mod.attention_forward_op(q, k, v, s, *settings)
     assert out.requires_grad and not lse.requires_grad
     grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
@@ -634,7 +642,9 @@ def test_sink_config_travels_as_its_values_in_config_keys_order(script, monkeypa
         return real_op(*args)
 
     def implementation(*args):  # stands in for attention_forward / attention_backward
-        received.append(args[-1])
+        received.append(
+            args[-2] if bwd else args[-1]
+        )  # attention_backward: (..., config, strategy)
         outputs = tuple(torch.empty(0) for _ in range(3 if bwd else 2))
         return (*outputs, None) if bwd else outputs
 
@@ -642,14 +652,16 @@ def test_sink_config_travels_as_its_values_in_config_keys_order(script, monkeypa
     monkeypatch.setattr(mod, "attention_backward" if bwd else "attention_forward", implementation)
     configs = [mod.default_config(64)] if bwd else mod.tune_configs(64)
     for config in configs:
-        assert tuple(config) == mod.CONFIG_KEYS
+        assert tuple(config) == (mod.CONFIG_KEYS["atomic"] if bwd else mod.CONFIG_KEYS)
         with FakeTensorMode():  # the wrapper's checks pass on fake CUDA tensors
-            mod.attention(*sink_inputs(), (128, 0), True, config=config)
+            mod.attention(*sink_inputs(), (128, 0), True, config=config, **sink_strategy(script))
         assert passed[-1] == list(config.values())
         received.clear()
         q, k, v, s = sink_inputs(device="cpu")  # the real implementation, as dispatched
         if bwd:
-            mod.attention_backward_op(q, q, k, v, q, q, s, *sink_settings(config=passed[-1]))
+            mod.attention_backward_op(
+                q, q, k, v, q, q, s, *sink_settings(config=passed[-1], script=script)
+            )
         else:
             real_op(q, k, v, s, *sink_settings(config=passed[-1]))
         assert received == [config]
@@ -663,11 +675,14 @@ def test_sink_no_graph_break(script, sinks):
     with FakeTensorMode():
         args = sink_inputs(sinks)
         mod = load_script(script)
-        explained = torch._dynamo.explain(lambda *a: mod.attention(*a, (128, 0), True))(*args)
+        kw = sink_strategy(script)
+        attention = mod.attention
+        explained = torch._dynamo.explain(lambda *a: attention(*a, (128, 0), True, **kw))(*args)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     op = SINK_SCHEMAS[script][0].split("(")[0].replace("::", ".")
     code = explained.graphs[0].code
-    assert f"torch.ops.{op}.default" in code and ", 128, 0, True, 0.125, None)" in code
+    settings = ", 128, 0, True, 0.125, " + ("'atomic', " if kw else "") + "None)"
+    assert f"torch.ops.{op}.default" in code and settings in code
 
 
 @pytest.mark.parametrize("script", SINK_SCRIPTS)

@@ -9,14 +9,21 @@ returns the row log-sum-exp ``lse`` with the sink included. The backward recompu
 probabilities from ``lse``, FlashAttention-2 style, in three kernels and one line of PyTorch:
 
 1. preprocess: ``delta = rowsum(O ∘ dO)`` per query row;
-2. the backward proper, one thread block per (key block, query head, batch), on TileLang's
-   automatic pipeline (the plain schedule of examples/flash_attention/example_gqa_bwd.py): it
-   keeps its K and V block in shared memory and ``dk``, ``dv`` in registers, walks the query
-   blocks whose window reaches its keys (``window_query_blocks``: query blocks entirely outside
-   are skipped, not masked), forms ``Pᵀ = exp(K Qᵀ·scale − lse)`` and
-   ``dSᵀ = Pᵀ ∘ (V dOᵀ − delta)``, and adds ``dq`` into a float32 accumulator with atomics; the
-   group's query heads add their ``dk``/``dv`` into one float32 dK/dV with regional atomics;
-3. postprocess: dQ from float32 back to the input dtype (dK, dV: a cast);
+2. the backward proper: a thread block holds a block of keys (K and V in shared memory, their
+   ``dk``, ``dv`` in registers) and walks only the query blocks whose window reaches them
+   (blocks entirely outside are skipped, not masked), forming ``Pᵀ = exp(K Qᵀ·scale − lse)``
+   and ``dSᵀ = Pᵀ ∘ (V dOᵀ − delta)``. ``strategy`` picks which kernel:
+   - ``group`` (the default on Hopper): the hand-scheduled kernel of
+     examples/flash_attention/example_mha_bwd_wgmma_pipelined.py (imported from there; its
+     ``window`` and ``layout="bhsd"`` arguments exist for this script). One thread block per
+     (key block, kv head, batch) walks the query blocks of every query head of its group, so
+     the group's dK and dV add up in registers; a producer warp loads by TMA and adds dQ with
+     bulk reduce-adds;
+   - ``atomic``: this script's own kernel on TileLang's automatic pipeline (the plain schedule
+     of examples/flash_attention/example_gqa_bwd.py), one thread block per (key block, query
+     head, batch) with ``window_query_blocks``; dQ and the group's dK/dV are float32 atomic
+     adds;
+3. postprocess: dQ back to the input dtype (``atomic``: dK and dV too, a cast);
 4. ``dsinks[h] = −Σ_rows p_sink · delta`` with ``p_sink = exp(sinks[h] − lse)`` (``sink_grad``).
 
 Why the sink changes nothing in 1–3: with ``lse`` including the sink, ``p_j = exp(s_j − lse)`` is
@@ -25,15 +32,14 @@ the keys only (the sink has no value, so its ``dP`` is 0): ``Σ_k p_k dP_k = dO 
 without a sink. The sink's own gradient is ``p_sink (0 − delta)``, summed over the rows it
 joined. A row that sees no key has ``lse = +inf``: ``p = 0`` everywhere, no gradient.
 
-This is the first, plain version: the backward kernel is not hand-scheduled (compare
-examples/flash_attention/example_mha_bwd_wgmma_pipelined.py for the fast dense one), and with a
-window bounded on the left (two edges to mask) ptxas spills 80–136 bytes in it (D = 64 and 128,
-S = 4096); a window open on the left (full, causal) spills nothing, as the dense kernel.
+The ``atomic`` kernel is the plain lesson; with a window bounded on the left (two edges to
+mask) ptxas spills 80–136 bytes in it (D = 64 and 128, S = 4096), while a window open on the
+left spills nothing. The ``group`` kernel spills nothing with either edge.
 
 API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 
     attention(q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None,
-              config=None)
+              strategy=None, config=None)
 
     q: (batch, nheads, seqlen_q, headdim), float16 or bfloat16, on a CUDA device;
         headdim 64 or 128.
@@ -41,8 +47,9 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     sinks: (nheads,), float32, on q's device, or None; may require grad.
     window_size: (left, right), ints >= -1 (-1: unbounded); causal=True sets right = 0.
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
-    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
-        default ``default_config``.
+    strategy: "group" or "atomic": which backward kernel (above); default
+        ``default_strategy`` (group on Hopper).
+    config: dict. That strategy's backward tiles; default ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), differentiable (``torch.autograd``).
 
 Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_bwd_bhsd_forward``
@@ -52,6 +59,7 @@ break.
 
 Run:
     python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --causal --window 128 0
+    python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --strategy atomic --window 64 64
     python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --compile-only --arch sm_90a
 """
 
@@ -67,10 +75,14 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import example_gqa_sink_fwd_bhsd as fwd  # noqa: E402  (the sibling forward script)
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "flash_attention"))
+import example_mha_bwd_wgmma_pipelined as fast_bwd  # noqa: E402  (the hand-scheduled backward)
+
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = fwd.HEAD_DIMS
 ARCHS = ("sm_90a",)  # --arch: the forward is Hopper-only
+STRATEGIES = ("group", "atomic")
 
 
 # ----------------------------------------------------------------------------- window blocks
@@ -312,12 +324,21 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
     return flash_bwd_post
 
 
-def default_config(dim, arch="sm_90a"):
-    """Backward tiles (block_M keys per thread block, block_N queries a step): the dense GQA
+def default_strategy(dim, arch="sm_90a"):
+    """``group`` (the hand-scheduled backward) on Hopper for head dims 64 and 128, else
+    ``atomic``."""
+    return "group" if arch.startswith("sm_90") and dim in fast_bwd.HEAD_DIMS else "atomic"
+
+
+def default_config(dim, arch="sm_90a", strategy="atomic"):
+    """Backward tiles. ``group``: example_mha_bwd_wgmma_pipelined.py's ``default_config``.
+    ``atomic`` (block_M keys per thread block, block_N queries a step): the dense GQA
     backward's for Dqk + Dv <= 256 (examples/flash_attention/example_gqa_bwd.py, measured there:
     128×64 tiles, 2 stages, 256 threads). Not measured with windows."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch {arch}: the forward of this script is written for Hopper (sm_90a)")
+    if strategy == "group":
+        return fast_bwd.default_config(dim, arch)
     return dict(block_M=128, block_N=64, num_stages=2, threads=256)
 
 
@@ -338,8 +359,9 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale):
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, sinks, window_size, causal, softmax_scale, config=None
-):
+    dout, q, k, v, out, lse, sinks, window_size, causal, softmax_scale, config=None,
+    strategy="atomic",
+):  # fmt: skip
     """The backward kernels and ``sink_grad``: returns ``dq, dk, dv`` in the input dtype and
     ``dsinks`` (float32 [H], or None without sinks)."""
     B, H, Sq, D = q.shape
@@ -349,6 +371,11 @@ def attention_backward(
         dsinks = None if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
     left, right = fwd.normalize_window(window_size, causal, Sq, Sk)
+    if strategy == "group":  # causal is in the window (right = 0)
+        dq, dk, dv, delta = fast_bwd.run_backward(
+            dout, q, k, v, out, lse, False, softmax_scale, config, (left, right), "bhsd"
+        )
+        return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     cfg = config or default_config(D, fwd.device_arch(q.device))
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
 
@@ -373,7 +400,12 @@ def attention_backward(
 # operators normalize it on the real lengths). A config (the backward tiles) travels as its
 # values in CONFIG_KEYS order (an operator takes no dicts; None: the default). The forward
 # operator runs example_gqa_sink_fwd_bhsd.py's plain attention_forward, never its operator.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "threads")
+# The strategy travels as a string, settled before the call (as in example_gqa_bwd.py); a
+# config's keys depend on it.
+CONFIG_KEYS = {
+    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages
+    "atomic": ("block_M", "block_N", "num_stages", "threads"),
+}
 
 
 @torch.library.custom_op("tl_attn::gqa_sink_bwd_bhsd_forward", mutates_args=())
@@ -386,6 +418,7 @@ def attention_forward_op(
     window_size_right: int,
     causal: bool,
     softmax_scale: float,
+    strategy: str,
     config: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = (window_size_left, window_size_right)
@@ -393,7 +426,9 @@ def attention_forward_op(
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, config):
+def _(
+    q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, strategy, config
+):  # fmt: skip
     B, H, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
 
@@ -405,7 +440,7 @@ def _(q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale
     mutates_args=(),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sinks, "
     "SymInt window_size_left, SymInt window_size_right, bool causal, float softmax_scale, "
-    "SymInt[]? config) -> (Tensor, Tensor, Tensor, Tensor?)",
+    "str strategy, SymInt[]? config) -> (Tensor, Tensor, Tensor, Tensor?)",
 )
 def attention_backward_op(
     dout: torch.Tensor,
@@ -419,53 +454,64 @@ def attention_backward_op(
     window_size_right: int,
     causal: bool,
     softmax_scale: float,
+    strategy: str,
     config: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    cfg = dict(zip(CONFIG_KEYS[strategy], config, strict=True)) if config else None
     window = (window_size_left, window_size_right)
-    return attention_backward(dout, q, k, v, out, lse, sinks, window, causal, softmax_scale, cfg)
+    return attention_backward(
+        dout, q, k, v, out, lse, sinks, window, causal, softmax_scale, cfg, strategy
+    )
 
 
 @attention_backward_op.register_fake
 def _(
     dout, q, k, v, out, lse, sinks, window_size_left, window_size_right, causal, softmax_scale,
-    config,
+    strategy, config,
 ):  # fmt: skip
     dsinks = None if sinks is None else q.new_empty(sinks.shape, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def setup_context(ctx, inputs, output):
-    q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, config = inputs
+    q, k, v, sinks, *settings = inputs  # the window's two ints, causal, scale, strategy, config
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks)  # sinks may be None
     ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
-    ctx.settings = (window_size_left, window_size_right, causal, softmax_scale, config)
+    ctx.settings = settings
 
 
 def backward(ctx, dout, dlse):
     # dsinks is None when sinks is: the gradient autograd expects for a None input.
     dq, dk, dv, dsinks = attention_backward_op(dout, *ctx.saved_tensors, *ctx.settings)
-    return dq, dk, dv, dsinks, None, None, None, None, None
+    return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def attention(
-    q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None, config=None
-):
+    q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None, strategy=None,
+    config=None,
+):  # fmt: skip
     """Differentiable attention with sinks and a sliding window: ``q [B, H, Sq, D]``,
     ``k, v [B, Hkv, Sk, D]`` (fp16/bf16, CUDA), ``sinks [H]`` float32 or None → ``out
-    [B, H, Sq, D]``; gradients for q, k, v and sinks. ``config``: the backward tiles."""
+    [B, H, Sq, D]``; gradients for q, k, v and sinks. ``strategy`` ("group" or "atomic";
+    default ``default_strategy``): which backward; ``config``: its tiles."""
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
     fwd._check_inputs(q, k, v, sinks, window_size, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if strategy is None:
+        strategy = default_strategy(q.shape[-1], fwd.device_arch(q.device))
     window = [int(w) for w in window_size]  # (left, right): two int arguments of the operator
     q, k, v = (t.contiguous() for t in (q, k, v))
     sinks = sinks if sinks is None else sinks.contiguous()
-    tiles = [config[key] for key in CONFIG_KEYS] if config else None
-    out, _ = attention_forward_op(q, k, v, sinks, *window, causal, float(softmax_scale), tiles)
+    tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
+    out, _ = attention_forward_op(
+        q, k, v, sinks, *window, causal, float(softmax_scale), strategy, tiles
+    )
     return out
 
 
@@ -500,42 +546,40 @@ def _harness():
 
 
 def build_parser():
-    # The forward script's flags (--window, --sinks, --groups, ...), without --tune: this first
-    # version has a single backward configuration.
-    return fwd.build_parser(__doc__.splitlines()[0], tune=False)
+    # The forward script's flags (--window, --sinks, --groups, ...), without --tune: each
+    # strategy has a single backward configuration.
+    parser = fwd.build_parser(__doc__.splitlines()[0], tune=False)
+    parser.add_argument(
+        "--strategy", choices=STRATEGIES, help="which backward (default: group on Hopper)"
+    )
+    return parser
 
 
-def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a"):
+def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a", strategy="atomic"):
     """Build every kernel a training step runs (forward, preprocess, backward, postprocess) for
     ``arch`` without a GPU; returns {kernel name: CUDA source}."""
     harness = _harness()
     left, right = window
     scale = 1.0 / math.sqrt(D)
     fwd_cfg = fwd.default_config(D, window, arch, Sk)
-    cfg = default_config(D, arch)
-    kernels = {
-        "flash_fwd": harness.compile_for(
-            fwd.flashattn_fwd,
-            arch,
-            B,
-            H,
-            Hkv,
-            Sq,
-            Sk,
-            D,
-            left,
-            right,
-            True,
-            scale,
-            dtype,
-            **fwd_cfg,
-        ),  # fmt: skip
-        "flash_bwd_prep": harness.compile_for(flashattn_bwd_preprocess, arch, B, H, Sq, D, dtype),
-        "flash_bwd": harness.compile_for(
-            flashattn_bwd, arch, B, H, Hkv, Sq, Sk, D, left, right, scale, dtype, **cfg
-        ),
-        "flash_bwd_post": harness.compile_for(flashattn_bwd_postprocess, arch, B, H, Sq, D, dtype),
-    }
+    fwd_args = (B, H, Hkv, Sq, Sk, D, left, right, True, scale, dtype)
+    kernels = {"flash_fwd": harness.compile_for(fwd.flashattn_fwd, arch, *fwd_args, **fwd_cfg)}
+    cfg = default_config(D, arch, strategy)
+    if strategy == "group":
+        built = fast_bwd.backward_kernels(
+            Sq, Sk, D, False, scale, dtype, cfg, H // Hkv, (left, right), "bhsd"
+        )
+        for name, (factory, args, kwargs) in built.items():
+            kernels[name] = harness.compile_for(factory, arch, B, H, *args, **kwargs)
+    else:
+        bwd_args = (B, H, Hkv, Sq, Sk, D, left, right, scale, dtype)
+        kernels["flash_bwd_prep"] = harness.compile_for(
+            flashattn_bwd_preprocess, arch, B, H, Sq, D, dtype
+        )
+        kernels["flash_bwd"] = harness.compile_for(flashattn_bwd, arch, *bwd_args, **cfg)
+        kernels["flash_bwd_post"] = harness.compile_for(
+            flashattn_bwd_postprocess, arch, B, H, Sq, D, dtype
+        )
     return {name: kernel.get_kernel_source() for name, kernel in kernels.items()}
 
 
@@ -558,8 +602,9 @@ def main(argv=None):
 
     if args.compile_only:
         norm = fwd.normalize_window(window, args.causal, Sq, Sk)
-        sources = compile_all(B, H, Hkv, Sq, Sk, D, norm, args.dtype, args.arch)
-        print(f"{script}: built for {args.arch} (window as built: {norm})")
+        strategy = args.strategy or default_strategy(D, args.arch)
+        sources = compile_all(B, H, Hkv, Sq, Sk, D, norm, args.dtype, args.arch, strategy)
+        print(f"{script}: built for {args.arch}, strategy {strategy} (window as built: {norm})")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
         return
@@ -574,10 +619,11 @@ def main(argv=None):
     dout = torch.randn_like(q)
     leaves = [t.requires_grad_() for t in (q, k, v) + ((sinks,) if args.sinks else ())]
 
+    strategy = args.strategy or default_strategy(D, fwd.device_arch(q.device))
     if args.check:
-        out = attention(q, k, v, sinks, window, args.causal, scale)
+        out = attention(q, k, v, sinks, window, args.causal, scale, strategy)
         grads = torch.autograd.grad(out, leaves, dout)
-        print(f"check {what}")
+        print(f"check {what} strategy={strategy}")
         ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
         ref_sinks = ref_leaves[3] if args.sinks else None
         ref = ref_program(*ref_leaves[:3], ref_sinks, window, args.causal, scale)
@@ -587,10 +633,14 @@ def main(argv=None):
         grads, ref_grads = (dict(zip(names, g, strict=True)) for g in (grads, ref_grads))
         harness.check_grads(grads, ref_grads)  # gradients: relative error under 2e-2
 
-    if args.bench:
-        out = attention(q, k, v, sinks, window, args.causal, scale)
+    if args.bench:  # both strategies side by side unless --strategy names one
+        ours = {}
+        for name in (args.strategy,) if args.strategy else STRATEGIES:
+            out = attention(q, k, v, sinks, window, args.causal, scale, name)
+            ours[f"tilelang {name}"] = lambda out=out: torch.autograd.grad(
+                out, leaves, dout, retain_graph=True
+            )
         flops = fwd.window_flops(B, H, Sq, Sk, D, window, args.causal) * 2.5
-        ours = {"tilelang": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)}
         harness.report(f"backward {what}", ours, {}, flops)
 
 

@@ -159,6 +159,44 @@ def dq_split(dim, block_N):
     return split_dim, (dim // 2 if split_dim else dim), (block_N if split_dim else block_N // 2)
 
 
+def seq_index(layout, b, h, s, d):
+    """The index of (batch entry b, head h, position s, head-dim d) in a ``[B, S, H, D]``
+    (``layout="bshd"``) or ``[B, H, S, D]`` (``"bhsd"``) tensor: the one place the two layouts
+    differ. example_gqa_sink_bwd_bhsd.py runs these kernels on BHSD tensors."""
+    return (b, s, h, d) if layout == "bshd" else (b, h, s, d)
+
+
+def seq_rows(X, layout, b, h, s0, n):
+    """Rows ``s0 … s0 + n − 1`` (all of D) of head ``h`` of batch entry ``b`` of ``X``."""
+    return X[seq_index(layout, b, h, slice(s0, s0 + n), slice(None))]
+
+
+def layout_shape(layout, batch, seq, heads, dim):
+    return [batch, seq, heads, dim] if layout == "bshd" else [batch, heads, seq, dim]
+
+
+def query_block_range(bx, block_M, block_N, seq_q_pad, window_edges):
+    """(first query block, number of query blocks) that key block ``bx`` walks: those holding a
+    query whose window reaches one of its keys. ``window_edges = (left, right, hi, lo)``: query
+    i sees key j iff j <= i + hi (when right >= 0) and j >= i + lo (when left >= 0).
+
+    From the block holding query bx·block_M − hi (the first to see the block's first key) to
+    the one holding (bx + 1)·block_M − 1 − lo (the last to see its last key). The last query
+    sees every key up to Sk − 1 + right, so with no left bound there is at least one; with one,
+    a key block no query reaches has none (its dK and dV are 0). Every head of a group walks
+    the same range."""
+    left, right, hi, lo = window_edges
+    q_start = 0
+    if right >= 0:
+        q_start = T.max(0, bx * block_M - hi) // block_N
+    q_end = seq_q_pad // block_N
+    n_blocks = q_end - q_start
+    if left >= 0:
+        last = T.min(q_end - 1, ((bx + 1) * block_M - 1 - lo) // block_N)
+        n_blocks = T.max(0, last + 1 - q_start)
+    return q_start, n_blocks
+
+
 def padded_len(seq_q, block_N):
     """Length of the padded ``lse``/``delta`` rows: whole query blocks."""
     return (seq_q + block_N - 1) // block_N * block_N
@@ -166,11 +204,11 @@ def padded_len(seq_q, block_N):
 
 # ----------------------------------------------------------------------------- backward kernels
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64):
+def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64, layout="bshd"):
     """delta = Σ_d O ∘ dO and lse2 = lse · log2 e per query row, padded to ``seq_q_pad`` rows
     (padding: delta 0, lse2 +inf)."""
     accum_dtype = "float32"
-    shape = [batch, seq_q, heads, dim]
+    shape = layout_shape(layout, batch, seq_q, heads, dim)
 
     @T.prim_func
     def flash_bwd_prep(
@@ -185,8 +223,8 @@ def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=6
             dout_frag = T.alloc_fragment([block, dim], dtype)
             prod = T.alloc_fragment([block, dim], accum_dtype)
             delta = T.alloc_fragment([block], accum_dtype)
-            T.copy(Output[bz, bx * block : (bx + 1) * block, by, :], out_frag)
-            T.copy(dO[bz, bx * block : (bx + 1) * block, by, :], dout_frag)
+            T.copy(seq_rows(Output, layout, bz, by, bx * block, block), out_frag)
+            T.copy(seq_rows(dO, layout, bz, by, bx * block, block), dout_frag)
             for i, j in T.Parallel(block, dim):
                 prod[i, j] = T.cast(out_frag[i, j], accum_dtype) * T.cast(
                     dout_frag[i, j], accum_dtype
@@ -219,12 +257,20 @@ def flash_bwd(
     num_stages=2,
     dq_stages=1,
     groups=1,
+    window=(-1, -1),
+    layout="bshd",
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
     ``groups`` query heads share each kv head (grouped-query attention; 1 is multi-head): the
     thread block walks the query blocks of every head of its group in turn, so the group's dK
     and dV add up in its registers, with no atomics and no partial sums to combine afterwards.
+
+    ``window = (left, right)``, -1 unbounded (``causal`` is right = 0): query i sees key j iff
+    i + offset − left <= j <= i + offset + right. A thread block walks only the query blocks
+    whose window reaches one of its keys. example_gqa_sink_bwd_bhsd.py uses it (with
+    ``layout="bhsd"``: ``[B, H, S, D]`` tensors); a sink needs nothing here, since its lse
+    already holds it and dS = P ∘ (dP − delta) is unchanged.
 
     Score tiles are transposed (rows are keys, columns queries): ``acc_s`` holds Sᵀ then Pᵀ,
     ``acc_dp`` holds dPᵀ then dSᵀ, and dQ is computed transposed too (``dq`` holds dQᵀ = Kᵀ dSᵀ).
@@ -234,10 +280,16 @@ def flash_bwd(
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
     offset = seq_kv - seq_q  # bottom-right causal alignment
+    left, right = window
+    if causal:
+        right = 0
+    # Query i sees key j iff j <= i + hi (right >= 0) and j >= i + lo (left >= 0).
+    hi, lo = offset + right, offset - left
+    window_edges = (left, right, hi, lo)
     seq_q_pad = padded_len(seq_q, block_N)
-    q_shape = [batch, seq_q, heads, dim]
+    q_shape = layout_shape(layout, batch, seq_q, heads, dim)
     heads_kv = heads // groups
-    kv_shape = [batch, seq_kv, heads_kv, dim]
+    kv_shape = layout_shape(layout, batch, seq_kv, heads_kv, dim)
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
@@ -283,17 +335,21 @@ def flash_bwd(
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared):
         # Pᵀ = exp2(Sᵀ·scale − lse2). Queries past Sq have lse2 = +inf (P = 0) and need no
-        # mask; keys past Sk (the last key block) and, causal, keys after the query do.
+        # mask; keys past Sk (the last key block) and keys outside the query's window do.
         first_key = bx * block_M + wg * wg_keys
         needs_mask = first_key + wg_keys > seq_kv
-        if causal:
-            needs_mask = needs_mask or k * block_N + offset < first_key + wg_keys - 1
+        if right >= 0:
+            needs_mask = needs_mask or k * block_N + hi < first_key + wg_keys - 1
+        if left >= 0:
+            needs_mask = needs_mask or first_key < k * block_N + block_N - 1 + lo
         if needs_mask:
             for i, j in T.Parallel(wg_keys, block_N):
                 key = first_key + i
                 visible = key < seq_kv
-                if causal:
-                    visible = visible and key <= k * block_N + j + offset
+                if right >= 0:
+                    visible = visible and key <= k * block_N + j + hi
+                if left >= 0:
+                    visible = visible and key >= k * block_N + j + lo
                 # A select on the exponent, not on exp2's result: written that way the
                 # compiler keeps it branch-free, and branches here make ptxas serialize the
                 # WGMMA still running (dPᵀ) with this loop.
@@ -418,8 +474,9 @@ def flash_bwd(
         first_key = bx * block_M + wg * wg_keys
         for r, c in T.Parallel(wg_keys, dim):
             if first_key + r < seq_kv:
-                dV[bz, first_key + r, by, c] = V_shared[r0 + r, c]
-                dK[bz, first_key + r, by, c] = K_shared[r0 + r, c]
+                at = seq_index(layout, bz, by, first_key + r, c)
+                dV[at] = V_shared[r0 + r, c]
+                dK[at] = K_shared[r0 + r, c]
 
     @T.prim_func
     def flash_bwd(
@@ -454,14 +511,7 @@ def flash_bwd(
             dq_full = T.alloc_barrier([consumers] * dq_stages)
             dq_empty = T.alloc_barrier([32] * dq_stages)
 
-            # Causal: query i sees key j iff i >= j - offset, so the first query block that sees
-            # a key of this block holds query bx·block_M − offset. The last query sees every key,
-            # so there is always at least one step. Every head of the group walks the same range.
-            q_start = 0
-            if causal:
-                q_start = T.max(0, bx * block_M - offset) // block_N
-            q_end = seq_q_pad // block_N
-            n_blocks = q_end - q_start
+            q_start, n_blocks = query_block_range(bx, block_M, block_N, seq_q_pad, window_edges)
             tx = T.get_thread_binding()
 
             if tx >= consumers:
@@ -470,12 +520,9 @@ def flash_bwd(
                 if tx < consumers + 32:
                     # Warp 0: K, V once; then Q (+ lse2) and dO (+ delta) for every step.
                     # Keys past Sk and queries past Sq read as zeros (TMA fills out of bounds).
-                    T.tma_copy(
-                        K[bz, bx * block_M : (bx + 1) * block_M, by, :], K_shared, barrier=kv_full
-                    )
-                    T.tma_copy(
-                        V[bz, bx * block_M : (bx + 1) * block_M, by, :], V_shared, barrier=kv_full
-                    )
+                    kv_rows = (bz, by, bx * block_M, block_M)
+                    T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
+                    T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
                     T.barrier_arrive(kv_full)
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
@@ -484,8 +531,9 @@ def flash_bwd(
                         # A fresh mbarrier counts as having completed the phase before phase 0,
                         # so the first wait on an "empty" barrier (parity 1) passes at once.
                         T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
+                        q_rows = (bz, h, k * block_N, block_N)
                         T.tma_copy(
-                            Q[bz, k * block_N : (k + 1) * block_N, h, :],
+                            seq_rows(Q, layout, *q_rows),
                             Q_shared[stage, :, :],
                             barrier=q_full[stage],
                         )
@@ -497,7 +545,7 @@ def flash_bwd(
                         T.barrier_arrive(q_full[stage])
                         T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
                         T.tma_copy(
-                            dO[bz, k * block_N : (k + 1) * block_N, h, :],
+                            seq_rows(dO, layout, *q_rows),
                             dO_shared[stage, :, :],
                             barrier=do_full[stage],
                         )
@@ -543,7 +591,9 @@ def flash_bwd(
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def flash_bwd_post(batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="float16", block=64):
+def flash_bwd_post(
+    batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="float16", block=64, layout="bshd"
+):
     """dQ = softmax_scale · dQ_accum, back in [B, Sq, H, D] order: ``dQ_accum`` holds, per query
     block of ``block`` (the backward's ``block_N``), the float32 dQᵀ tile in the order the
     backward's two consumer warpgroups stored it (``accumulator_index``)."""
@@ -554,7 +604,7 @@ def flash_bwd_post(batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="fl
     @T.prim_func
     def flash_bwd_post(
         dQ_accum: T.Tensor([batch, heads, seq_q_pad // block, dim * block], accum_dtype),
-        dQ: T.Tensor([batch, seq_q, heads, dim], dtype),
+        dQ: T.Tensor(layout_shape(layout, batch, seq_q, heads, dim), dtype),
     ):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
             tile = T.alloc_shared([dim * block], accum_dtype)
@@ -566,7 +616,7 @@ def flash_bwd_post(batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="fl
                 else:
                     at = (i // dq_cols) * half + accumulator_index(d, i % dq_cols)
                 dq_cast[i, d] = tile[at] * softmax_scale
-            T.copy(dq_cast, dQ[bz, bx * block : (bx + 1) * block, by, :])
+            T.copy(dq_cast, seq_rows(dQ, layout, bz, by, bx * block, block))
 
     return flash_bwd_post
 
@@ -667,26 +717,40 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     """The three backward kernels: returns ``dq, dk, dv`` in the input dtype. ``k, v`` may have
     fewer heads than ``q`` (``[B, Sk, Hkv, D]``, H a multiple of Hkv): example_gqa_bwd.py runs
     this backward for grouped-query attention."""
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    return run_backward(dout, q, k, v, out, lse, causal, softmax_scale, config)[:3]
+
+
+def run_backward(
+    dout, q, k, v, out, lse, causal, softmax_scale, config=None, window=(-1, -1), layout="bshd"
+):
+    """``attention_backward`` with ``flash_bwd``'s window and layout, for
+    example_gqa_sink_bwd_bhsd.py: returns ``dq, dk, dv`` and ``delta`` (float32 ``[B, H, Sq]``,
+    Σ_d O ∘ dO per query row, which that script turns into the sinks' gradient)."""
+    B, H, Sq, D = q.shape if layout == "bhsd" else q.transpose(1, 2).shape
+    Hkv, Sk = (k.shape[1], k.shape[2]) if layout == "bhsd" else (k.shape[2], k.shape[1])
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = torch.zeros(B, H, Sq, dtype=torch.float32, device=q.device)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
     dtype = dtype_name(q)
     cfg = config or default_config(D, fwd.device_arch(q.device))
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
-    flash_bwd_prep(B, H, Sq, seq_q_pad, D, dtype)(out, dout, lse, delta, lse2)
+    flash_bwd_prep(B, H, Sq, seq_q_pad, D, dtype, layout=layout)(out, dout, lse, delta, lse2)
     # dQᵀ tiles, float32, one per query block: the backward kernel's reduce-adds land here.
     n_blocks = seq_q_pad // cfg["block_N"]
     dq_accum = torch.zeros(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    kernel = flash_bwd(B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg, groups=H // Hkv)
+    kernel = flash_bwd(
+        B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg,
+        groups=H // Hkv, window=window, layout=layout,
+    )  # fmt: skip
     kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv)
     dq = torch.empty_like(q)
-    flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype, cfg["block_N"])(dq_accum, dq)
-    return dq, dk, dv
+    post = flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype, cfg["block_N"], layout)
+    post(dq_accum, dq)
+    return dq, dk, dv, delta[:, :, :Sq]
 
 
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
@@ -859,19 +923,26 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
     }
 
 
-def backward_kernels(seq_q, seq_k, dim, causal, softmax_scale, dtype, config, groups=1):
+def backward_kernels(
+    seq_q, seq_k, dim, causal, softmax_scale, dtype, config, groups=1, window=(-1, -1),
+    layout="bshd",
+):  # fmt: skip
     """The backward's three kernel factories and their arguments after ``(batch, heads)``:
-    name → (factory, args, kwargs). ``compile_all`` builds them, here and in example_gqa_bwd.py
-    (``groups`` query heads a kv head)."""
+    name → (factory, args, kwargs). ``compile_all`` builds them, here, in example_gqa_bwd.py
+    (``groups`` query heads a kv head) and in example_gqa_sink_bwd_bhsd.py (a window, BHSD)."""
     seq_q_pad = padded_len(seq_q, config["block_N"])
     bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
     return {
-        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {}),
-        "flash_bwd": (flash_bwd, bwd_args, {**config, "groups": groups}),
+        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {"layout": layout}),
+        "flash_bwd": (
+            flash_bwd,
+            bwd_args,
+            {**config, "groups": groups, "window": window, "layout": layout},
+        ),
         "flash_bwd_post": (
             flash_bwd_post,
             (seq_q, seq_q_pad, dim, softmax_scale, dtype),
-            {"block": config["block_N"]},
+            {"block": config["block_N"], "layout": layout},
         ),
     }
 
