@@ -151,16 +151,15 @@ RETIRED_NAMES = {"loop_st", "loop_ed", "q_first", "_dtype_name", "_forward", "_b
 
 @pytest.mark.parametrize("script", BACKWARD_SCRIPTS)
 def test_autograd_class_and_helpers_have_one_name(script):
-    """One autograd mechanism a script: the formula registered on its custom operator
-    (docs/CONVENTIONS.md, "torch.compile"), or FlashAttnFunc (the SM100 scripts)."""
+    """One autograd mechanism: the formula registered on the script's custom operator
+    (docs/CONVENTIONS.md, "torch.compile"), no torch.autograd.Function."""
     mod = load_script(script)
     functions = [
         name
         for name, value in vars(mod).items()
         if isinstance(value, type) and issubclass(value, torch.autograd.Function)
     ]
-    assert functions == ([] if script in CUSTOM_OP_SCRIPTS else ["FlashAttnFunc"])
-    assert script in CUSTOM_OP_SCRIPTS or "sm100" in script  # every Hopper script has operators
+    assert functions == [] and script in CUSTOM_OP_SCRIPTS
     leading = VARLEN_LEADING if "varlen" in script else DENSE_LEADING
     for helper, names in leading.items():
         params = list(inspect.signature(getattr(mod, helper)).parameters)
@@ -169,36 +168,37 @@ def test_autograd_class_and_helpers_have_one_name(script):
             assert params.index("config") == params.index("softmax_scale") + 1
 
 
-# Every Hopper script has custom operators: the dense ones and the attention-sink ones (whose
-# arguments differ, so they are not ATTENTION_SCRIPTS, held to the dense API above).
-HOPPER_SCRIPTS = sorted(
-    str(p.relative_to(EXAMPLES))
-    for d in ("flash_attention", "attention_sink")
-    for p in (EXAMPLES / d).glob("*.py")
+# Every attention script has custom operators: the dense ones, Hopper and Blackwell, and the
+# attention-sink ones (whose arguments differ, so they are not ATTENTION_SCRIPTS, held to the
+# dense API above).
+OPERATOR_DIRS = (*ATTENTION_DIRS, "attention_sink")
+OPERATOR_SCRIPTS = sorted(
+    str(p.relative_to(EXAMPLES)) for d in OPERATOR_DIRS for p in (EXAMPLES / d).glob("*.py")
 )
 CUSTOM_OP_SCRIPTS = [
-    s for s in HOPPER_SCRIPTS if "torch.library.custom_op" in (EXAMPLES / s).read_text()
+    s for s in OPERATOR_SCRIPTS if "torch.library.custom_op" in (EXAMPLES / s).read_text()
 ]
 
 
-def test_every_hopper_script_has_custom_operators():
-    assert CUSTOM_OP_SCRIPTS == HOPPER_SCRIPTS
-    assert any(s.startswith("attention_sink/") for s in HOPPER_SCRIPTS)
+def test_every_attention_script_has_custom_operators():
+    assert CUSTOM_OP_SCRIPTS == OPERATOR_SCRIPTS
+    assert {s.split("/")[0] for s in OPERATOR_SCRIPTS} == set(OPERATOR_DIRS)
 
 
 @pytest.mark.parametrize("script", CUSTOM_OP_SCRIPTS)
 def test_custom_operators_are_named_for_their_script(script):
     """docs/CONVENTIONS.md, "torch.compile": attention_forward_op is tl_attn::<script name
-    without example_>, suffixed _forward in a differentiable script, whose attention_backward_op
-    is ..._backward; no other operator, and no torch.autograd.Function beside them (one
-    autograd mechanism)."""
+    without example_> (an SM100 script's with sm100_ in front), suffixed _forward in a
+    differentiable script, whose attention_backward_op is ..._backward; no other operator, and
+    no torch.autograd.Function beside them (one autograd mechanism)."""
     mod = load_script(script)
     assert not [
         name
         for name, value in vars(mod).items()
         if isinstance(value, type) and issubclass(value, torch.autograd.Function)
     ]
-    name = "tl_attn::" + os.path.basename(script).removesuffix(".py").removeprefix("example_")
+    name = os.path.basename(script).removesuffix(".py").removeprefix("example_")
+    name = "tl_attn::" + ("sm100_" if script.startswith("flash_attention_sm100/") else "") + name
     ops = {
         value._opoverload._schema.name: attr
         for attr, value in vars(mod).items()

@@ -5,10 +5,12 @@ CPU: every operator's schema; its fake implementation (shapes, dtypes, strides) 
 FakeTensorMode, with the real kernels unreachable; ``torch.library.opcheck`` on meta tensors,
 where the fake implementation is what runs; the public functions traced by torch.compile on fake
 CUDA tensors: no graph break, and how often a new length recompiles; configs reaching the
-kernels; ValueErrors, eager and compiled; the attention-sink scripts' operators (sinks or None,
-the window, dsinks) alike. GPU (marker ``gpu``): a two-layer model compiled with
-``fullgraph=True`` gives eager's outputs and gradients (the sink model's dsinks included), with
-no graph break, and recompiles as the CPU tests say.
+kernels; ValueErrors, eager and compiled; the SM100 scripts' operators (a variant in the
+forward, no config in the backward) and the attention-sink scripts' (sinks or None, the window,
+dsinks) alike. GPU (marker ``gpu``): a two-layer model compiled with ``fullgraph=True`` gives
+eager's outputs and gradients (the sink model's dsinks included), with no graph break, and
+recompiles as the CPU tests say (Hopper scripts; the SM100 scripts' GPU tests, eager, are in
+test_sm100.py).
 """
 
 import inspect
@@ -28,6 +30,10 @@ FAST_BWD = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
 GQA_BWD = "flash_attention/example_gqa_bwd.py"  # its operators take a strategy before config
 TMA_BWD = "flash_attention/example_gqa_bwd_tma_reduce.py"
 VARLEN_BWD = "flash_attention/example_gqa_bwd_tma_reduce_varlen.py"
+SM100_MHA_FWD = "flash_attention_sm100/mha_fwd_bshd.py"  # their operators take a variant
+SM100_GQA_FWD = "flash_attention_sm100/gqa_fwd_bshd.py"
+SM100_MHA_BWD = "flash_attention_sm100/mha_bwd_bshd.py"  # their operators take no config
+SM100_GQA_BWD = "flash_attention_sm100/gqa_bwd_bshd.py"
 # script: its operators' schemas (the forward's first; a differentiable script's backward second)
 SCHEMAS = {
     "flash_attention/example_mha_fwd_bshd.py": [
@@ -96,6 +102,26 @@ SCHEMAS = {
         "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float softmax_scale, "
         "SymInt[]? config) -> (Tensor, Tensor, Tensor)",
     ],
+    SM100_MHA_FWD: [
+        "tl_attn::sm100_mha_fwd_bshd(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, str variant, SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    SM100_GQA_FWD: [
+        "tl_attn::sm100_gqa_fwd_bshd(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale, str variant, SymInt[]? config) -> (Tensor, Tensor)"
+    ],
+    SM100_MHA_BWD: [
+        "tl_attn::sm100_mha_bwd_bshd_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale) -> (Tensor, Tensor)",
+        "tl_attn::sm100_mha_bwd_bshd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, "
+        "Tensor out, Tensor lse, bool causal, float softmax_scale) -> (Tensor, Tensor, Tensor)",
+    ],
+    SM100_GQA_BWD: [
+        "tl_attn::sm100_gqa_bwd_bshd_forward(Tensor q, Tensor k, Tensor v, bool causal, "
+        "float softmax_scale) -> (Tensor, Tensor)",
+        "tl_attn::sm100_gqa_bwd_bshd_backward(Tensor dout, Tensor q, Tensor k, Tensor v, "
+        "Tensor out, Tensor lse, bool causal, float softmax_scale) -> (Tensor, Tensor, Tensor)",
+    ],
 }
 SCRIPTS = list(SCHEMAS)
 BACKWARD = [s for s in SCRIPTS if "bwd" in s]
@@ -141,21 +167,41 @@ def public(script):
     return mod.attention_varlen if layout(script) == "varlen" else mod.attention
 
 
-def strategy(script, name="group"):
-    """example_gqa_bwd.py's operators take the strategy between softmax_scale and config (its
-    public function settles the default from the device's arch, which a CPU has not): the
-    arguments to put there, and the keyword for the public function."""
-    return ((name,), {"strategy": name}) if script == GQA_BWD else ((), {})
+# Operators that take a string between softmax_scale and config: example_gqa_bwd.py's strategy
+# (its public function settles the default from the device's arch, which a CPU has not) and the
+# SM100 forward scripts' variant. script: (the public function's keyword, every value it takes,
+# the first the one a test uses where it names none).
+CHOICES = {
+    GQA_BWD: ("strategy", ("group", "atomic", "split")),
+    SM100_MHA_FWD: ("variant", ("wasp", "ss", "ts")),
+    SM100_GQA_FWD: ("variant", ("ts", "ss")),
+}
+# The SM100 backward scripts have one set of tiles: their operators take no config.
+NO_CONFIG = [SM100_MHA_BWD, SM100_GQA_BWD]
 
 
-def settings(script, causal, softmax_scale, config, name="group"):
+def choice(script, name=None):
+    """The arguments to put between softmax_scale and config (``name``, or the script's first
+    value), and the keyword for the public function; nothing for a script without a choice."""
+    if script not in CHOICES:
+        return (), {}
+    keyword, names = CHOICES[script]
+    name = name or names[0]
+    return (name,), {keyword: name}
+
+
+def settings(script, causal, softmax_scale, config, name=None):
     """The operators' arguments after the tensors (and varlen lengths)."""
-    return (causal, softmax_scale, *strategy(script, name)[0], config)
+    config = () if script in NO_CONFIG else (config,)
+    return (causal, softmax_scale, *choice(script, name)[0], *config)
 
 
-def config_keys(mod, name="group"):
-    keys = mod.CONFIG_KEYS
-    return keys[name] if isinstance(keys, dict) else keys
+def config_keys(script, name=None):
+    """CONFIG_KEYS, for ``name`` where they depend on the choice; none without a config."""
+    if script in NO_CONFIG:
+        return ()
+    keys = load_script(script).CONFIG_KEYS
+    return keys[choice(script, name)[0][0]] if isinstance(keys, dict) else keys
 
 
 def backward_args(script, args, out, lse):
@@ -196,7 +242,7 @@ def test_operator_schemas(script):
     assert [str(op._opoverload._schema) for op in ops] == SCHEMAS[script]
 
 
-def check_fake_outputs(script, mod, args, causal, name="group"):
+def check_fake_outputs(script, mod, args, causal, name=None):
     """The operators and the public function on fake CUDA tensors ``args``: out like q (with
     v's head dim), lse float32 and contiguous, gradients like q, k, v."""
     q, k, v = args[:3]
@@ -211,7 +257,7 @@ def check_fake_outputs(script, mod, args, causal, name="group"):
         )
         for grad, t in zip(grads, (q, k, v), strict=True):
             assert (grad.shape, grad.stride(), grad.dtype) == (t.shape, t.stride(), q.dtype)
-        kw = strategy(script, name)[1]
+        kw = choice(script, name)[1]
         assert public(script)(*args, causal=causal, **kw).shape == out_shape
     else:
         out, lse = public(script)(*args, causal=causal, return_lse=True)
@@ -275,7 +321,7 @@ def test_opcheck_on_meta_tensors(script, which, no_kernels):
     AOTAutograd with static and dynamic shapes."""
     mod = no_kernels(script)
     gqa = script == GQA_BWD  # its atomic strategy, with Dqk 192 and Dv 128
-    name, dims = ("atomic", dict(D=192, Dv=128)) if gqa else ("group", {})
+    name, dims = ("atomic", dict(D=192, Dv=128)) if gqa else (None, {})
     args = inputs(script, device="meta", **dims)
     if which == 0:
         q, k, v = (t.requires_grad_(script in BACKWARD) for t in args[:3])
@@ -283,7 +329,7 @@ def test_opcheck_on_meta_tensors(script, which, no_kernels):
         args = (q, k, v, *args[3:], *settings(script, True, 0.125, None, name))
     else:  # the backward operator is not differentiable itself: plain inputs
         out, lse = mod.attention_forward_op(*args, *settings(script, True, 0.125, None, name))
-        tiles = list(tune_space(mod, name)[0].values())
+        tiles = list(tune_space(script, name)[0].values())
         op = mod.attention_backward_op
         args = (*backward_args(script, args, out, lse), *settings(script, True, 0.125, tiles, name))
     torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
@@ -304,8 +350,8 @@ def test_autograd_saves_inputs_and_outputs_and_passes_config_to_backward(script,
     monkeypatch.setattr(mod, "attention_backward_op", backward_op)
     args = inputs(script, device="meta")
     q, k, v = (t.requires_grad_() for t in args[:3])
-    config = tune_space(mod)[0]
-    tiles = [config[key] for key in config_keys(mod)]
+    config = tune_space(script)[0]
+    tiles = [config[key] for key in config_keys(script)]
     out, lse = mod.attention_forward_op(q, k, v, *args[3:], *settings(script, True, 0.25, tiles))
     assert out.requires_grad and not lse.requires_grad
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
@@ -315,28 +361,44 @@ def test_autograd_saves_inputs_and_outputs_and_passes_config_to_backward(script,
     assert [a.shape if isinstance(a, torch.Tensor) else a for a in rest] == [
         a.shape if isinstance(a, torch.Tensor) else a for a in want
     ]
-    assert dict(zip(config_keys(mod), rest[-1], strict=True)) == config
+    if script not in NO_CONFIG:
+        assert dict(zip(config_keys(script), rest[-1], strict=True)) == config
     assert sq.shape == q.shape and sout.shape == out.shape and slse.shape == lse.shape
 
 
-def tune_space(mod, name="group"):
+def tune_space(script, name=None):
     """The tune configs at head dim 64 (the forward scripts', and the GQA ones', take the head
-    dims; example_gqa_bwd.py's, the strategy too)."""
+    dims; example_gqa_bwd.py's, the strategy too). The SM100 scripts have none: a forward
+    script's are its variant's default tiles and the same with 64 keys a block, a backward
+    script's one empty config (its operators take none)."""
+    mod = load_script(script)
+    if script in NO_CONFIG:
+        return [{}]
+    name = choice(script, name)[0][0] if script in CHOICES else None
+    if not hasattr(mod, "tune_configs"):
+        default = mod.default_config(*[name][: mod.default_config.__code__.co_argcount])
+        return [default, {**default, "block_N": 64}]
     params = mod.tune_configs.__code__.co_argcount
     return mod.tune_configs(*[64, 64, name][:params])
 
 
-CONFIG_CASES = [(s, "group") for s in SCRIPTS] + [(GQA_BWD, "atomic"), (GQA_BWD, "split")]
+def every_choice(script):
+    """Every value of the script's choice (CHOICES); [None] for a script without one."""
+    return list(CHOICES[script][1]) if script in CHOICES else [None]
+
+
+CONFIG_CASES = [(s, n) for s in SCRIPTS if s not in NO_CONFIG for n in every_choice(s)]
 
 
 @pytest.mark.parametrize(
-    "script,name", CONFIG_CASES, ids=[f"{s[16:-3]}-{n}" for s, n in CONFIG_CASES]
+    "script,name", CONFIG_CASES, ids=[f"{s[16:-3]}-{n}" if n else s[16:-3] for s, n in CONFIG_CASES]
 )
 def test_config_travels_as_its_values_in_config_keys_order(script, name, monkeypatch):
     """attention(config=...) hands the operator the config's values in CONFIG_KEYS order (its
-    strategy's, in example_gqa_bwd.py), and the operator's real implementation hands its Python
-    function (the backward's, in a differentiable script) the same dict, for every config --tune
-    tries."""
+    strategy's, in example_gqa_bwd.py; its variant's, in the SM100 forward), and the operator's
+    real implementation hands its Python function (the backward's, in a differentiable script)
+    the same dict, and the strategy or variant after it, for every config --tune tries (the SM100
+    forward scripts: their default tiles and one more)."""
     mod = load_script(script)
     passed, received = [], []
     real_op = mod.attention_forward_op
@@ -349,16 +411,16 @@ def test_config_travels_as_its_values_in_config_keys_order(script, name, monkeyp
 
     def implementation(outputs):  # stands in for attention_forward / attention_backward
         def record(*args):
-            received.append(args[config_at])
+            received.append(args[config_at:])
             return tuple(torch.empty(0) for _ in range(outputs))
 
         return record
 
     monkeypatch.setattr(mod, "attention_forward_op", op)
     monkeypatch.setattr(mod, "_check_values", lambda *a: None, raising=False)  # varlen, CPU
-    extra, kw = strategy(script, name)
-    for config in tune_space(mod, name):
-        assert tuple(config) == config_keys(mod, name)
+    extra, kw = choice(script, name)
+    for config in tune_space(script, name):
+        assert tuple(config) == config_keys(script, name)
         with FakeTensorMode():  # the wrapper's checks pass on fake CUDA tensors
             public(script)(*inputs(script), config=config, **kw)
         assert passed[-1] == list(config.values())
@@ -372,8 +434,8 @@ def test_config_travels_as_its_values_in_config_keys_order(script, name, monkeyp
             )
         else:
             monkeypatch.setattr(mod, "attention_forward", implementation(2))
-            real_op(*cpu, False, 0.125, passed[-1])
-        assert received == [config]
+            real_op(*cpu, False, 0.125, *extra, passed[-1])
+        assert received == [(config, *extra)]
 
 
 # ----------------------------------------------------------------------------- CPU: torch.compile
@@ -381,7 +443,7 @@ def test_config_travels_as_its_values_in_config_keys_order(script, name, monkeyp
 def test_no_graph_break(script):
     """torch._dynamo.explain over the public function on fake CUDA tensors: one graph, no break,
     holding the operator."""
-    kw = strategy(script)[1]
+    kw = choice(script)[1]
     with FakeTensorMode():
         args = inputs(script)
         explained = torch._dynamo.explain(lambda *a: public(script)(*a, causal=True, **kw))(*args)

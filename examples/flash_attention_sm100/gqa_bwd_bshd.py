@@ -37,6 +37,11 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
     Returns out: (batch, seqlen_q, nheads, headdim), differentiable (``torch.autograd``).
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::sm100_gqa_bwd_bshd_forward``
+(``torch.library``), whose autograd formula calls ``tl_attn::sm100_gqa_bwd_bshd_backward``, so
+``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
+break.
+
 Run:
     python examples/flash_attention_sm100/gqa_bwd_bshd.py --groups 8 --causal
     python examples/flash_attention_sm100/gqa_bwd_bshd.py --compile-only --arch sm_100a  # no GPU
@@ -546,22 +551,61 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """Forward saves (q, k, v, out, lse); backward runs the TCGEN05 backward kernel."""
+# torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile").
+# Compiled code calls each as one opaque node, without a graph break, and learns their outputs'
+# shapes, dtypes and strides from the fake implementations. The two halves are two operators
+# joined by register_autograd: the forward operator saves its inputs and outputs for the backward
+# operator. The kernels have one set of tiles (BWD_CONFIG), so no config travels.
+@torch.library.custom_op("tl_attn::sm100_gqa_bwd_bshd_forward", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, softmax_scale)
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        out, lse = attention_forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
-        return dq, dk, dv, None, None
+@attention_forward_op.register_fake
+def _(q, k, v, causal, softmax_scale):
+    B, Sq, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("tl_attn::sm100_gqa_bwd_bshd_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.settings = (causal, softmax_scale)
+
+
+def backward(ctx, dout, dlse):
+    dq, dk, dv = attention_backward_op(dout, *ctx.saved_tensors, *ctx.settings)
+    return dq, dk, dv, None, None
+
+
+attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None):
@@ -570,7 +614,9 @@ def attention(q, k, v, causal=False, softmax_scale=None):
     _check_inputs(q, k, v, causal, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttnFunc.apply(q, k, v, bool(causal), float(softmax_scale))
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale))
+    return out
 
 
 # ----------------------------------------------------------------------------- reference

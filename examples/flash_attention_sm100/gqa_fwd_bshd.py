@@ -46,6 +46,10 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     config: dict. Tiles (block_M, block_N); default ``default_config``.
     Returns out: (batch, seqlen_q, nheads, headdim), or (out, lse) when return_lse.
 
+Underneath, ``attention`` calls the custom operator ``tl_attn::sm100_gqa_fwd_bshd``
+(``torch.library``), so ``torch.compile(model, fullgraph=True)`` compiles a model around it without
+a graph break; ``variant`` travels as a string.
+
 Run:
     python examples/flash_attention_sm100/gqa_fwd_bshd.py --groups 8 --variant ts --causal
     python examples/flash_attention_sm100/gqa_fwd_bshd.py --compile-only --arch sm_100a  # no GPU
@@ -359,22 +363,10 @@ def _check_inputs(q, k, v, causal, softmax_scale):
 _kernels = {}
 
 
-def attention(
-    q, k, v, causal=False, softmax_scale=None, return_lse=False, variant="ts", config=None
-):
-    """GQA FlashAttention forward on Blackwell for ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]``.
-
-    Returns ``out [B, Sq, H, D]``, and ``lse [B, H, Sq]`` (float32, natural log) when
-    ``return_lse``. ``variant`` is one of ``VARIANTS``; ``config`` overrides the tiles.
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    _check_inputs(q, k, v, causal, softmax_scale)
+def attention_forward(q, k, v, causal, softmax_scale, config=None, variant="ts"):
+    """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to build
@@ -387,6 +379,53 @@ def attention(
         if key not in _kernels:
             _kernels[key] = build_forward(variant, args, config)
         _kernels[key](q, k, v, out, lse)
+    return out, lse
+
+
+# torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
+# Compiled code calls it as one opaque node, without a graph break, and learns its outputs'
+# shapes, dtypes and strides from the fake implementation. The variant is an operator argument (a
+# string); a config travels as its values in CONFIG_KEYS order (an operator takes no dicts; None:
+# the default).
+CONFIG_KEYS = ("block_M", "block_N")
+
+
+@torch.library.custom_op("tl_attn::sm100_gqa_fwd_bshd", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    variant: str,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    return attention_forward(q, k, v, causal, softmax_scale, cfg, variant)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, causal, softmax_scale, variant, config):
+    B, Sq, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+def attention(
+    q, k, v, causal=False, softmax_scale=None, return_lse=False, variant="ts", config=None
+):
+    """GQA FlashAttention forward on Blackwell for ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]``.
+
+    Returns ``out [B, Sq, H, D]``, and ``lse [B, H, Sq]`` (float32, natural log) when
+    ``return_lse``. ``variant`` is one of ``VARIANTS``; ``config`` overrides the tiles.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    _check_inputs(q, k, v, causal, softmax_scale)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, lse = attention_forward_op(q, k, v, causal, float(softmax_scale), variant, tiles)
     return (out, lse) if return_lse else out
 
 
