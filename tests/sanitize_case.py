@@ -1,6 +1,7 @@
-"""Small ragged causal forwards + backwards of the hand-scheduled backward — MHA, and GQA
-(example_gqa_bwd.py's group strategy, four query heads a kv head) — for compute-sanitizer (not
-collected by pytest). On an H100, from the repository root:
+"""Small ragged causal forwards + backwards of the hand-scheduled backward — MHA, GQA
+(example_gqa_bwd.py's group strategy, four query heads a kv head) and attention sinks with a
+window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges, key blocks no query
+reaches) — for compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
@@ -29,3 +30,19 @@ for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attent
         grads = torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
         print(f"{name} D{D}: finite", all(bool(torch.isfinite(t).all()) for t in (out, *grads)))
+
+sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
+for D in (64, 128):
+    for Sq, Sk, window, causal in ((200, 333, (64, 0), True), (64, 600, (32, 16), False)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (
+            torch.randn(1, heads, S, D, generator=g, device="cuda", dtype=torch.bfloat16)
+            for S, heads in ((Sq, 4), (Sk, 1), (Sk, 1), (Sq, 4))
+        )
+        sinks = torch.randn(4, generator=g, device="cuda")
+        leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+        out = sink.attention(*leaves, window, causal, strategy="group")
+        grads = torch.autograd.grad(out, leaves, dout)
+        torch.cuda.synchronize()
+        finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
+        print(f"sink D{D} Sq{Sq} Sk{Sk} window {window}: finite", finite)
