@@ -707,69 +707,67 @@ def test_sink_grad_matches_autograd(window, causal):
     torch.testing.assert_close(bwd.sink_grad(sinks.detach(), lse, delta).double(), expect)
 
 
-@pytest.mark.parametrize("Sq,Sk", SHAPES)
-def test_window_query_blocks_are_exactly_the_blocks_seen(Sq, Sk):
-    """The backward's loop, for a key block: every query block with a query that sees one of its
-    keys, and no other (the ragged last key block may visit more after them); blocks left
-    unmasked see every key of the key block whole."""
-    bwd, mod = load_script(BWD), load_script(FWD)
+def _key_blocks_seen(Sq, Sk):
+    """For every small window, causal or not, tile and key block bx: (where, (left, right),
+    tile, bx, cols, seen) — ``cols[k]`` the mask of query block k against the key block's keys,
+    ``seen`` the query blocks with a query that sees one of them."""
+    mod = load_script(FWD)
     for window, causal, (block_M, block_N) in itertools.product(
         SMALL_WINDOWS, (False, True), TILES
     ):
-        left, right = mod.normalize_window(window, causal, Sq, Sk)
         n_q_blocks = math.ceil(Sq / block_N)
         padded = torch.zeros(n_q_blocks * block_N, Sk, dtype=torch.bool)
         padded[:Sq] = mod.window_mask(Sq, Sk, window, causal)
         for bx in range(math.ceil(Sk / block_M)):
-            q_start, n_q, first_whole, end_whole = (
-                int(x) for x in bwd.window_query_blocks(bx, block_M, block_N, Sq, Sk, left, right)
-            )
-            where = (Sq, Sk, window, causal, block_M, block_N, bx)
             cols = padded[:, bx * block_M : (bx + 1) * block_M].reshape(n_q_blocks, block_N, -1)
             seen = cols.any(-1).any(-1).nonzero().flatten().tolist()
-            key_tail = (bx + 1) * block_M > Sk
-            if seen and key_tail:  # may visit more query blocks after its last (fully masked)
-                assert q_start == seen[0] and q_start + n_q - 1 >= seen[-1], where
-                assert q_start + n_q <= n_q_blocks, where
-            elif seen:
-                assert (q_start, n_q) == (seen[0], seen[-1] - seen[0] + 1), where
-            else:
-                assert n_q == 1 and 0 <= q_start < n_q_blocks, where
-            for k in range(q_start, q_start + n_q):
-                if not (key_tail or k < first_whole or k >= end_whole):
-                    assert cols[k].all(), (*where, k)
+            where = (Sq, Sk, window, causal, block_M, block_N, bx)
+            edges = mod.normalize_window(window, causal, Sq, Sk)
+            yield where, edges, (block_M, block_N), bx, cols, seen
+
+
+def _assert_range(q_start, n_q, seen, n_q_blocks, key_tail, where):
+    """Every seen query block and no other; the ragged last key block may visit more after
+    them (fully masked)."""
+    if seen and key_tail:
+        assert q_start == seen[0] and q_start + n_q - 1 >= seen[-1], where
+        assert q_start + n_q <= n_q_blocks, where
+    elif seen:
+        assert (q_start, n_q) == (seen[0], seen[-1] - seen[0] + 1), where
+
+
+@pytest.mark.parametrize("Sq,Sk", SHAPES)
+def test_window_query_blocks_are_exactly_the_blocks_seen(Sq, Sk):
+    """The ``atomic`` backward's loop, for a key block: every query block with a query that
+    sees one of its keys (one, masked whole, when none does); blocks left unmasked see every
+    key of the key block whole."""
+    bwd = load_script(BWD)
+    for where, (left, right), (block_M, block_N), bx, cols, seen in _key_blocks_seen(Sq, Sk):
+        q_start, n_q, first_whole, end_whole = (
+            int(x) for x in bwd.window_query_blocks(bx, block_M, block_N, Sq, Sk, left, right)
+        )
+        key_tail = (bx + 1) * block_M > Sk
+        _assert_range(q_start, n_q, seen, len(cols), key_tail, where)
+        if not seen:
+            assert n_q == 1 and 0 <= q_start < len(cols), where
+        for k in range(q_start, q_start + n_q):
+            if not (key_tail or k < first_whole or k >= end_whole):
+                assert cols[k].all(), (*where, k)
 
 
 @pytest.mark.parametrize("Sq,Sk", SHAPES)
 def test_fast_query_block_range_is_exactly_the_blocks_seen(Sq, Sk):
-    """The ``group`` strategy's backward (example_mha_bwd_wgmma_pipelined.py's kernel with a
-    window): a key block walks every query block with a query that sees one of its keys, and
-    no other (the ragged last key block may visit more, fully masked); none when no query
-    sees it."""
-    fast, mod = load_script(FAST_BWD), load_script(FWD)
-    for window, causal, (block_M, block_N) in itertools.product(
-        SMALL_WINDOWS, (False, True), TILES
-    ):
-        left, right = mod.normalize_window(window, causal, Sq, Sk)
-        n_q_blocks = math.ceil(Sq / block_N)
-        padded = torch.zeros(n_q_blocks * block_N, Sk, dtype=torch.bool)
-        padded[:Sq] = mod.window_mask(Sq, Sk, window, causal)
+    """The ``group`` backward (example_mha_bwd_wgmma_pipelined.py's kernel with a window): a
+    key block walks every query block with a query that sees one of its keys, none when no
+    query does."""
+    fast = load_script(FAST_BWD)
+    for where, (left, right), (block_M, block_N), bx, cols, seen in _key_blocks_seen(Sq, Sk):
         edges = (left, right, Sk - Sq + right, Sk - Sq - left)
-        for bx in range(math.ceil(Sk / block_M)):
-            q_start, n_q = (
-                int(x)
-                for x in fast.query_block_range(bx, block_M, block_N, n_q_blocks * block_N, edges)
-            )
-            where = (Sq, Sk, window, causal, block_M, block_N, bx)
-            cols = padded[:, bx * block_M : (bx + 1) * block_M].reshape(n_q_blocks, block_N, -1)
-            seen = cols.any(-1).any(-1).nonzero().flatten().tolist()
-            if seen and (bx + 1) * block_M > Sk:
-                assert q_start == seen[0] and q_start + n_q - 1 >= seen[-1], where
-                assert q_start + n_q <= n_q_blocks, where
-            elif seen:
-                assert (q_start, n_q) == (seen[0], seen[-1] - seen[0] + 1), where
-            else:
-                assert n_q == 0, where
+        q_pad = len(cols) * block_N
+        q_start, n_q = (int(x) for x in fast.query_block_range(bx, block_M, block_N, q_pad, edges))
+        _assert_range(q_start, n_q, seen, len(cols), (bx + 1) * block_M > Sk, where)
+        if not seen:
+            assert n_q == 0, where
 
 
 def emulate_backward(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale, block_M, block_N):
