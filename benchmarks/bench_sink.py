@@ -4,9 +4,12 @@ bf16, causal, one random sink logit per query head (``randn · 2``, as the sink 
 Each row is timed forward alone and backward alone (``torch.autograd.grad`` on a graph built
 once and kept, ``retain_graph=True``, as ``harness.sdpa_backward_peers`` does):
 
-- windowed rows (``WINDOWED``), three implementations:
+- windowed rows (``WINDOWED``), four implementations:
   - "tilelang": the sink scripts' ``attention`` (example_gqa_sink_fwd_bhsd.py forward alone,
     example_gqa_sink_bwd_bhsd.py for the graph whose backward is timed: dq, dk, dv, dsinks);
+  - "tilelang compiled": the same inside ``torch.compile`` (``fullgraph``, ``dynamic=False``),
+    as FlexAttention runs: the same custom operators, without eager autograd's work on the
+    host around each call, which is what bounds a narrow window's short rows;
   - "flex_attention": the forward script's ``flex_peer`` (the window as a block mask, the sink
     by rescaling Flex's output with its lse: ``out · sigmoid(lse − sink)``), compiled whole —
     flex_attention and the rescale in one graph (``fullgraph``, ``dynamic=False``). Its
@@ -62,7 +65,7 @@ WINDOWED = [
 ]
 SINK_COST = [(4, 32, 8, 4096, 128, (-1, -1)), (1, 64, 8, 8192, 64, (-1, -1))]
 ROWS = WINDOWED + SINK_COST
-OURS, NO_SINKS = "tilelang", "tilelang no sinks"
+OURS, NO_SINKS, COMPILED = "tilelang", "tilelang no sinks", "tilelang compiled"
 FLEX, DENSE = "flex_attention", "tilelang dense causal"
 GRADS = ("dq", "dk", "dv", "dsinks")
 
@@ -97,13 +100,23 @@ def backward_alone(out, xs, dout):
 
 
 # Each implementation: (forward alone, backward alone), two callables.
-def ours(m, x, window, sinks):
+def ours(m, x, window, sinks, compiled=False):
+    """Eager, or (``compiled``) inside torch.compile as FlexAttention runs: the same custom
+    operators, without eager autograd's per-call work on the host around them."""
+
+    def forward(*qkvs):
+        return m.fwd.attention(*qkvs, window, True, x.scale)
+
+    def differentiable(*qkvs):
+        return m.bwd.attention(*qkvs, window, True, x.scale)
+
+    if compiled:
+        forward, differentiable = (
+            torch.compile(f, fullgraph=True, dynamic=False) for f in (forward, differentiable)
+        )
     xs = leaves(x.q, x.k, x.v, sinks)
-    out = m.bwd.attention(*xs[:3], xs[3] if sinks is not None else None, window, True, x.scale)
-    return (
-        lambda: m.fwd.attention(x.q, x.k, x.v, sinks, window, True, x.scale),
-        backward_alone(out, xs, x.dout),
-    )
+    out = differentiable(*xs[:3], xs[3] if sinks is not None else None)
+    return lambda: forward(x.q, x.k, x.v, sinks), backward_alone(out, xs, x.dout)
 
 
 def flex(m, x, window):
@@ -128,13 +141,14 @@ def dense(m, x):
 BUILDERS = {
     OURS: lambda m, x, window: ours(m, x, window, x.sinks),
     NO_SINKS: lambda m, x, window: ours(m, x, window, None),
+    COMPILED: lambda m, x, window: ours(m, x, window, x.sinks, compiled=True),
     FLEX: flex,
     DENSE: lambda m, x, window: dense(m, x),
 }
 
 
 def names(window):
-    return [OURS, FLEX, DENSE] if window != (-1, -1) else [OURS, NO_SINKS, DENSE]
+    return [OURS, COMPILED, FLEX, DENSE] if window != (-1, -1) else [OURS, NO_SINKS, DENSE]
 
 
 def warm(m, row, name):
@@ -171,11 +185,11 @@ def measure(m, row, build_only=False):
     records = []
     for mode, which, scale in (("fwd", 0, 1.0), ("bwd", 1, 2.5)):
         runs = {name: fns[which] for name, fns in impls.items()}
-        ours_runs = {name: runs.pop(name) for name in (OURS, NO_SINKS) if name in runs}
+        ours_runs = {name: runs.pop(name) for name in (OURS, NO_SINKS, COMPILED) if name in runs}
         rows = harness.report(f"{mode} {what}", ours_runs, runs, flops * scale)
         ms = {r["impl"]: r["ms"] for r in rows}
         for r in rows:
-            sinks = r["impl"] in (OURS, FLEX)
+            sinks = r["impl"] in (OURS, COMPILED, FLEX)
             ratio = r["ms"] / ms.get(OURS, float("nan"))
             cols = {"sinks": sinks, "impl": r["impl"], "ms": r["ms"], "tflops": r["tflops"]}
             records.append({"mode": mode, **shape, **cols, "ratio": ratio})
@@ -205,15 +219,18 @@ def markdown(records, device, date):
         "×2.5 for the backward), for the dense kernel too (it does the whole causal triangle). "
         "“ours ÷ X” is X's time ÷ ours (> 1: ours is faster).",
         "",
-        "| mode | shape | window | ours | FlexAttention | dense causal | ours ÷ Flex "
-        "| ours ÷ dense causal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | shape | window | ours | ours compiled | FlexAttention | dense causal "
+        "| ours ÷ Flex | ours compiled ÷ Flex | ours ÷ dense causal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (mode, shape, window), row in cells.items():
         if window != (-1, -1):
+            both = FLEX in row and COMPILED in row
+            compiled = f"{row[FLEX]['ms'] / row[COMPILED]['ms']:.2f}" if both else "—"
             lines.append(
-                f"| {mode} | {shape} | {window} | {timing(row, OURS)} | {timing(row, FLEX)} | "
-                f"{timing(row, DENSE)} | {speedup(row, FLEX)} | {speedup(row, DENSE)} |"
+                f"| {mode} | {shape} | {window} | {timing(row, OURS)} | {timing(row, COMPILED)} "
+                f"| {timing(row, FLEX)} | {timing(row, DENSE)} | {speedup(row, FLEX)} "
+                f"| {compiled} | {speedup(row, DENSE)} |"
             )
     lines += [
         "",
@@ -240,6 +257,7 @@ def build_parser():
     p.add_argument(
         "--build-only", action="store_true", help="compile and check every kernel, time nothing"
     )
+    p.add_argument("--rows", type=int, nargs="+", help="only these rows (indices into ROWS)")
     return p
 
 
@@ -247,10 +265,12 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     harness.require_gpu("benchmarks/bench_sink.py", capability=(9, 0))
     m = scripts()
-    # FlexAttention compiles later, in the checks: torch.compile stays in the main thread.
-    tasks = [(row, name) for row in ROWS for name in names(row[5]) if name != FLEX]
+    rows = [ROWS[i] for i in args.rows] if args.rows else ROWS
+    # FlexAttention and our compiled rows compile later, in the checks: torch.compile stays in
+    # the main thread.
+    tasks = [(row, name) for row in rows for name in names(row[5]) if name not in (FLEX, COMPILED)]
     prebuild(lambda row, name: warm(m, row, name), tasks)
-    records = [rec for row in ROWS for rec in measure(m, row, args.build_only)]
+    records = [rec for row in rows for rec in measure(m, row, args.build_only)]
     if args.build_only:
         return
     device = torch.cuda.get_device_name()

@@ -27,10 +27,12 @@ def test_rows_and_flags():
         assert names[0] == bench.OURS and bench.DENSE in names
         windowed = window != (-1, -1)  # windowed: beside Flex; else: with and without sinks
         assert (bench.FLEX in names) == windowed and (bench.NO_SINKS in names) != windowed
+        assert (bench.COMPILED in names) == windowed
     args = bench.build_parser().parse_args([])
     assert args.out is None and not args.build_only
     args = bench.build_parser().parse_args(["--out", "res", "--build-only"])
-    assert str(args.out) == "res" and args.build_only
+    assert str(args.out) == "res" and args.build_only and args.rows is None
+    assert bench.build_parser().parse_args(["--rows", "0", "1"]).rows == [0, 1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
@@ -67,19 +69,20 @@ def test_check_compares_ours_with_the_peer_computing_the_same():
 
 def fake_records():
     """One record per row, mode and implementation, as measure() writes them; ours 1 ms (2 ms
-    backward), Flex 2.5×, dense 4× slower, no sinks 0.8× ours; Flex missing for the last
-    windowed backward (a peer that failed: report() leaves it out)."""
+    backward), ours compiled 0.5×, Flex 2.5×, dense 4× slower, no sinks 0.8×; Flex missing for
+    the last windowed backward (a peer that failed: report() leaves it out)."""
     records = []
     for B, H, Hkv, S, D, window in bench.ROWS:
         for mode, base in (("fwd", 1.0), ("bwd", 2.0)):
-            factors = {bench.OURS: 1.0, bench.FLEX: 2.5, bench.NO_SINKS: 0.8, bench.DENSE: 4.0}
+            factors = {bench.OURS: 1.0, bench.COMPILED: 0.5, bench.FLEX: 2.5, bench.NO_SINKS: 0.8}
+            factors[bench.DENSE] = 4.0
             for impl in bench.names(window):
                 if impl == bench.FLEX and (mode, S, D) == ("bwd", 8192, 128):
                     continue
                 ms = base * factors[impl]
                 records.append(
                     {"mode": mode, "B": B, "H": H, "Hkv": Hkv, "S": S, "D": D,
-                     "window": list(window), "sinks": impl in (bench.OURS, bench.FLEX),
+                     "window": list(window), "sinks": impl != bench.NO_SINKS,
                      "impl": impl, "ms": ms, "tflops": 100 / ms, "ratio": factors[impl]}
                 )  # fmt: skip
     return records
@@ -97,10 +100,11 @@ def test_markdown_tables():
     assert len(windowed) == 6 and len(cost) == 4
     first = windowed[0].split(" | ")
     assert first[:3] == ["| fwd", "B1 H64 Hkv8 S4096 D64", "(128, 0)"]
-    assert first[3] == "1.000 ms, 100 TFLOP/s" and first[4] == "2.500 ms, 40 TFLOP/s"
-    assert first[-2:] == ["2.50", "4.00 |"]  # ours ÷ Flex, ours ÷ dense causal
+    assert first[3] == "1.000 ms, 100 TFLOP/s" and first[4] == "0.500 ms, 200 TFLOP/s"
+    assert first[5] == "2.500 ms, 40 TFLOP/s"
+    assert first[-3:] == ["2.50", "5.00", "4.00 |"]  # ours, ours compiled ÷ Flex; ours ÷ dense
     last = windowed[-1].split(" | ")  # Flex missing: dashes, not an error
-    assert last[0] == "| bwd" and last[4] == "—" and last[-2:] == ["—", "4.00 |"]
+    assert last[0] == "| bwd" and last[5] == "—" and last[-3:] == ["—", "—", "4.00 |"]
     bwd_cost = cost[1].split(" | ")
     assert bwd_cost[:2] == ["| bwd", "B4 H32 Hkv8 S4096 D128"]
     assert bwd_cost[4] == "1.25" and bwd_cost[-1] == "4.00 |"  # with ÷ without; ours ÷ dense
