@@ -319,23 +319,20 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous in its last dimension")
     _, H, D = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(
-            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+        got = f"{q.dtype}, {k.dtype}, {v.dtype}"
+        raise ValueError(f"q, k, v must share a dtype, float16 or bfloat16; got {got}")
     if k.shape != v.shape:
         raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[2] != D:
         raise ValueError(f"k must be [total_k, heads, {D}] to match q, got {tuple(k.shape)}")
     if k.shape[1] != H:
-        raise ValueError(
-            f"k has {k.shape[1]} heads but q has {H}: MHA script (GQA: example_gqa_fwd_varlen.py)"
-        )
+        hint = "MHA script (GQA: example_gqa_fwd_varlen.py)"
+        raise ValueError(f"k has {k.shape[1]} heads but q has {H}: {hint}")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for side, cu, max_seqlen in (
-        ("q", cu_seqlens_q, max_seqlen_q),
-        ("k", cu_seqlens_k, max_seqlen_k),
-    ):
+    integer = numbers.Integral | torch.SymInt  # SymInt: a length torch.compile made dynamic
+    sides = ("q", cu_seqlens_q, max_seqlen_q), ("k", cu_seqlens_k, max_seqlen_k)
+    for side, cu, max_seqlen in sides:
         name = f"cu_seqlens_{side}"
         if not isinstance(cu, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -354,7 +351,6 @@ def _check_inputs(
                 f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                 f"{cu_seqlens_q.shape[0]} and {cu.shape[0]}"
             )
-        integer = numbers.Integral | torch.SymInt  # SymInt: a length torch.compile made dynamic
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, integer):
             raise ValueError(f"max_seqlen_{side} must be an int, got {type(max_seqlen).__name__}")
 
