@@ -636,10 +636,8 @@ def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
 ):
     """ValueError naming the first bad argument, from metadata alone (types, shapes, dtypes,
-    devices), which torch.compile traces without a graph break. Each cu_seqlens: int32,
-    contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by both, on q's device; each
-    max_seqlen an int. What needs cu_seqlens' values, and the CUDA check, is ``_check_values``.
-    """
+    devices), which torch.compile traces without a graph break; what needs cu_seqlens' values,
+    and the CUDA check, is ``_check_values``."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     real = isinstance(softmax_scale, numbers.Real)
@@ -673,14 +671,12 @@ def _check_inputs(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 1:
+        if cu.dim() != 1 or cu.shape[0] < 1:  # length 1: B = 0, an empty batch
             raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got {tuple(cu.shape)}")
         if not cu.is_contiguous():  # TileLang's host code reads it as a dense array
             raise ValueError(f"{name} must be contiguous, got stride {cu.stride()}")
         if cu.device != q.device:
-            raise ValueError(
-                f"{name} must be on the same device as q ({q.device}), got {cu.device}"
-            )
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {cu.device}")
         if cu.shape != cu_seqlens_q.shape:
             raise ValueError(
                 f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "

@@ -507,11 +507,9 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         raise ValueError(f"q, k, v must share a dtype, float16 or bfloat16; got {got}")
     if k.shape != v.shape:
         raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
-    if k.shape[2] != H:
-        hint = "MHA script (GQA: example_gqa_bwd.py)"
-        raise ValueError(f"k has {k.shape[2]} heads but q has {H}: {hint}")
+    if k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
+        hint = "q's batch, heads, dim: MHA script; GQA: example_gqa_bwd.py"
+        raise ValueError(f"k must be [{B}, seqlen_k, {H}, {D}] ({hint}), got {tuple(k.shape)}")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
     if not (q.is_cuda and q.device == k.device == v.device):
