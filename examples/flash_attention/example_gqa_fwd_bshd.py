@@ -423,9 +423,8 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     if k.shape != v.shape:
         raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(
-            f"k must be [{B}, seqlen_k, heads_kv, {D}] to match q, got {tuple(k.shape)}"
-        )
+        got = tuple(k.shape)
+        raise ValueError(f"k must be [{B}, seqlen_k, heads_kv, {D}] to match q, got {got}")
     Hkv = k.shape[2]
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
