@@ -636,10 +636,8 @@ def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
 ):
     """ValueError naming the first bad argument, from metadata alone (types, shapes, dtypes,
-    devices), which torch.compile traces without a graph break. Each cu_seqlens: int32,
-    contiguous, 1-D of length B + 1 (B = 0: an empty batch) shared by both, on q's device; each
-    max_seqlen an int. What needs cu_seqlens' values, and the CUDA check, is ``_check_values``.
-    """
+    devices), which torch.compile traces without a graph break; what needs cu_seqlens' values,
+    and the CUDA check, is ``_check_values``."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     real = isinstance(softmax_scale, numbers.Real)
@@ -654,9 +652,8 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous in its last dimension")
     _, H, D = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(
-            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+        got = f"{q.dtype}, {k.dtype}, {v.dtype}"
+        raise ValueError(f"q, k, v must share a dtype, float16 or bfloat16; got {got}")
     if k.shape != v.shape:
         raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[2] != D:
@@ -666,29 +663,25 @@ def _check_inputs(
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
-    for side, cu, max_seqlen in (
-        ("q", cu_seqlens_q, max_seqlen_q),
-        ("k", cu_seqlens_k, max_seqlen_k),
-    ):
+    integer = numbers.Integral | torch.SymInt  # SymInt: a length torch.compile made dynamic
+    sides = ("q", cu_seqlens_q, max_seqlen_q), ("k", cu_seqlens_k, max_seqlen_k)
+    for side, cu, max_seqlen in sides:
         name = f"cu_seqlens_{side}"
         if not isinstance(cu, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 1:
+        if cu.dim() != 1 or cu.shape[0] < 1:  # length 1: B = 0, an empty batch
             raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got {tuple(cu.shape)}")
         if not cu.is_contiguous():  # TileLang's host code reads it as a dense array
             raise ValueError(f"{name} must be contiguous, got stride {cu.stride()}")
         if cu.device != q.device:
-            raise ValueError(
-                f"{name} must be on the same device as q ({q.device}), got {cu.device}"
-            )
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {cu.device}")
         if cu.shape != cu_seqlens_q.shape:
             raise ValueError(
                 f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                 f"{cu_seqlens_q.shape[0]} and {cu.shape[0]}"
             )
-        integer = numbers.Integral | torch.SymInt  # SymInt: a length torch.compile made dynamic
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, integer):
             raise ValueError(f"max_seqlen_{side} must be an int, got {type(max_seqlen).__name__}")
 

@@ -418,24 +418,21 @@ def _check_inputs(q, k, v, causal, softmax_scale):
             raise ValueError(f"{name} must be contiguous in its last dimension")
     B, _, H, D = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(
-            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+        got = f"{q.dtype}, {k.dtype}, {v.dtype}"
+        raise ValueError(f"q, k, v must share a dtype, float16 or bfloat16; got {got}")
     if k.shape != v.shape:
         raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(
-            f"k must be [{B}, seqlen_k, heads_kv, {D}] to match q, got {tuple(k.shape)}"
-        )
+        got = tuple(k.shape)
+        raise ValueError(f"k must be [{B}, seqlen_k, heads_kv, {D}] to match q, got {got}")
     Hkv = k.shape[2]
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({Hkv}): H % Hkv != 0")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
     if not (q.is_cuda and q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
-        )
+        got = f"{q.device}, {k.device}, {v.device}"
+        raise ValueError(f"q, k, v must be CUDA tensors on one device, got {got}")
 
 
 def attention_forward(q, k, v, causal, softmax_scale, config=None):

@@ -483,23 +483,18 @@ def _check_inputs(q, k, v, causal, softmax_scale):
             raise ValueError(f"{name} must be [batch, seqlen, heads, dim], got {tuple(t.shape)}")
     B, _, H, D = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(
-            f"q, k, v must share a dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+        got = f"{q.dtype}, {k.dtype}, {v.dtype}"
+        raise ValueError(f"q, k, v must share a dtype, float16 or bfloat16; got {got}")
     if k.shape != v.shape:
         raise ValueError(f"k, v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must be [{B}, seqlen_k, heads, {D}] to match q, got {tuple(k.shape)}")
-    if k.shape[2] != H:
-        raise ValueError(
-            f"k has {k.shape[2]} heads but q has {H}: MHA script (GQA: gqa_bwd_bshd.py)"
-        )
+    if k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
+        hint = "q's batch, heads, dim: MHA script; GQA: gqa_bwd_bshd.py"
+        raise ValueError(f"k must be [{B}, seqlen_k, {H}, {D}] ({hint}), got {tuple(k.shape)}")
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {HEAD_DIMS}, got {D}")
     if not (q.is_cuda and q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
-        )
+        got = f"{q.device}, {k.device}, {v.device}"
+        raise ValueError(f"q, k, v must be CUDA tensors on one device, got {got}")
 
 
 _kernels = {}
