@@ -721,8 +721,10 @@ def run_backward(
     """``attention_backward`` with ``flash_bwd``'s window and layout, for
     example_gqa_sink_bwd_bhsd.py: returns ``dq, dk, dv`` and ``delta`` (float32 ``[B, H, Sq]``,
     Σ_d O ∘ dO per query row, which that script turns into the sinks' gradient)."""
-    B, H, Sq, D = q.shape if layout == "bhsd" else q.transpose(1, 2).shape
-    Hkv, Sk = (k.shape[1], k.shape[2]) if layout == "bhsd" else (k.shape[2], k.shape[1])
+    if layout == "bshd":
+        (B, Sq, H, D), (Sk, Hkv) = q.shape, k.shape[1:3]
+    else:
+        (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         delta = torch.zeros(B, H, Sq, dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
