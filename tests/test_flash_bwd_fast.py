@@ -162,6 +162,18 @@ def test_padded_stats_length():
     assert mod.padded_len(4096, 80) == 4160
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_empty_input_reads_shapes_by_layout(layout):
+    """run_backward on empty queries (no kernel runs): gradients shaped like q, k, v and delta
+    [B, H, Sq], whichever layout (BSHD here, BHSD for example_gqa_sink_bwd_bhsd.py)."""
+    mod = load_script(FAST)
+    q = torch.empty((2, 0, 8, 64) if layout == "bshd" else (2, 8, 0, 64))
+    k = torch.empty((2, 5, 2, 64) if layout == "bshd" else (2, 2, 5, 64))
+    dq, dk, dv, delta = mod.run_backward(q, q, k, k, q, None, False, 0.125, layout=layout)
+    assert (dq.shape, dk.shape, dv.shape, delta.shape) == (q.shape, k.shape, k.shape, (2, 8, 0))
+    assert not dk.any() and not dv.any()
+
+
 # ----------------------------------------------------------------------------- GPU
 def make_inputs(B, Sq, Sk, H, D, dtype, scale=1.0):
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq * 7 + Sk + D)
