@@ -577,15 +577,14 @@ def sink_inputs(sinks=True, device="cuda", **sizes):
     return q, k, v, torch.empty(q.shape[1], device=device) if sinks else None
 
 
+# The backward script's strategy is a choice too ("atomic" first: its tiles are what
+# default_config gives by default).
+CHOICES[SINK_BWD] = ("strategy", ("atomic", "group"))
+
+
 def sink_settings(window=(128, 0), causal=True, softmax_scale=0.125, config=None, script=SINK_FWD):
-    """The operators' arguments after sinks (the backward script's: strategy "atomic", whose
-    tiles ``default_config`` gives by default)."""
-    return (*window, causal, softmax_scale, *(("atomic",) if script == SINK_BWD else ()), config)
-
-
-def sink_strategy(script):
-    """attention's strategy keyword for the backward script (none for the forward's)."""
-    return {"strategy": "atomic"} if script == SINK_BWD else {}
+    """The operators' arguments after sinks."""
+    return (*window, causal, softmax_scale, *choice(script)[0], config)
 
 
 @pytest.mark.parametrize("script", SINK_SCRIPTS)
@@ -716,7 +715,7 @@ def test_sink_config_travels_as_its_values_in_config_keys_order(script, monkeypa
     for config in configs:
         assert tuple(config) == (mod.CONFIG_KEYS["atomic"] if bwd else mod.CONFIG_KEYS)
         with FakeTensorMode():  # the wrapper's checks pass on fake CUDA tensors
-            mod.attention(*sink_inputs(), (128, 0), True, config=config, **sink_strategy(script))
+            mod.attention(*sink_inputs(), (128, 0), True, config=config, **choice(script)[1])
         assert passed[-1] == list(config.values())
         received.clear()
         q, k, v, s = sink_inputs(device="cpu")  # the real implementation, as dispatched
@@ -737,7 +736,7 @@ def test_sink_no_graph_break(script, sinks):
     with FakeTensorMode():
         args = sink_inputs(sinks)
         mod = load_script(script)
-        kw = sink_strategy(script)
+        kw = choice(script)[1]
         attention = mod.attention
         explained = torch._dynamo.explain(lambda *a: attention(*a, (128, 0), True, **kw))(*args)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
