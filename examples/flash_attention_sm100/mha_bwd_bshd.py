@@ -1,11 +1,11 @@
 """FlashAttention backward, multi-head, BSHD layout, TileLang for Blackwell (SM100).
 
 ``attention(q, k, v, causal, softmax_scale)`` is differentiable: its forward is the ``ss`` kernel
-of gqa_fwd_bshd.py (one kv head per query head) and its backward computes dQ, dK, dV with five
-TCGEN05 GEMMs per step, every accumulator in tensor memory (TMEM). One thread block owns
-``block_M`` = 128 keys (one per TMEM lane) and walks the query blocks that can see them
-(``block_N`` = 64 queries each), recomputing ``Pᵀ = exp(K Qᵀ · scale − lse)`` rather than
-storing P in the forward:
+of gqa_fwd_bshd.py (imported from beside this file; one kv head per query head) and its
+backward computes dQ, dK, dV with five TCGEN05 GEMMs per step, every accumulator in tensor
+memory (TMEM). One thread block owns ``block_M`` = 128 keys (one per TMEM lane) and walks the
+query blocks that can see them (``block_N`` = 64 queries each), recomputing
+``Pᵀ = exp(K Qᵀ · scale − lse)`` rather than storing P in the forward:
 
     Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ,  dV += Pᵀ dO,  dSᵀ = Pᵀ ∘ (dPᵀ − delta) · scale,  dK += dSᵀ Q,
     dQ += dS K   (``delta`` = rowsum(dO ∘ O), computed in PyTorch before the kernel)
@@ -55,6 +55,9 @@ import tilelang
 import tilelang.language as T
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gqa_fwd_bshd as gqa_fwd  # noqa: E402  (the sibling forward: its ss kernel)
+
 LOG2E = 1.4426950408889634
 # Plain T.serial loops ordered by our own mbarrier waits: no automatic warp specialization.
 PASS_CONFIGS = {
@@ -68,176 +71,6 @@ TMEM_COLUMNS = 512  # 128 lanes × 512 columns of 32 bits per SM
 
 
 # ----------------------------------------------------------------------------- kernels
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_fwd(
-    batch,
-    heads,
-    heads_kv,
-    seq_q,
-    seq_kv,
-    dim,
-    causal,
-    softmax_scale,
-    dtype="float16",
-    variant="ss",
-    block_M=128,
-    block_N=128,
-):
-    """Forward (``ss`` or ``ts``, as in gqa_fwd_bshd.py): ``out`` and the ``lse`` the backward
-    needs."""
-    if variant not in ("ss", "ts"):
-        raise ValueError(f"flashattn_fwd builds the ss and ts variants, got {variant!r}")
-    use_ts = variant == "ts"
-    groups = heads // heads_kv
-    # ts: two warpgroups share the 128 TMEM lanes; each reads half of the columns.
-    threads = 256 if use_ts else 128
-    accum_dtype = "float32"
-    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
-    offset = seq_kv - seq_q  # bottom-right causal alignment
-    neg_inf = -T.infinity(accum_dtype)
-    q_shape = [batch, seq_q, heads, dim]
-    kv_shape = [batch, seq_kv, heads_kv, dim]
-
-    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated
-    # CUDA is the same as with the steps written out in the loop.
-    @T.macro
-    def scores(Q_shared, K_shared, S_tmem, s_ready):
-        # GEMM 1 (mma_ss): S = Q Kᵀ into TMEM; one elected thread issues it.
-        T.tcgen05_gemm(Q_shared, K_shared, S_tmem, transpose_B=True, clear_accum=True, mbar=s_ready)
-
-    @T.macro
-    def mask(k, first_masked, bx, acc_s):
-        if k >= first_masked:
-            for i, j in T.Parallel(block_M, block_N):
-                key = k * block_N + j
-                visible = key < seq_kv
-                if causal:
-                    visible = visible and key <= bx * block_M + i + offset
-                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-    @T.macro
-    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
-        # Online softmax: new row max, and the factor that rescales what came before.
-        T.copy(scores_max, scores_max_prev)
-        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-        for i in T.Parallel(block_M):
-            # A row with no visible key yet keeps max = -inf; 0 avoids exp2(-inf + inf).
-            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-        for i, j in T.Parallel(block_M, block_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-        T.reduce_sum(acc_s, scores_sum, dim=1)
-        for i in T.Parallel(block_M):
-            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-
-    @T.macro
-    def pv(acc_s_cast, P_tmem, P_shared, V_shared, PV_tmem, pv_ready):
-        # GEMM 2: this block's P V into TMEM. ss reads P from shared memory, ts from TMEM.
-        if use_ts:
-            T.copy(acc_s_cast, P_tmem)  # tcgen05.st: registers → TMEM
-            # every warp's P columns must be in TMEM before one thread issues the MMA
-            T.sync_threads()
-            T.tcgen05_gemm(P_tmem, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
-        else:
-            T.copy(acc_s_cast, P_shared)
-            T.tcgen05_gemm(P_shared, V_shared, PV_tmem, clear_accum=True, mbar=pv_ready)
-
-    @T.macro
-    def rescale(acc_o, scores_scale):
-        for i, j in T.Parallel(block_M, dim):
-            acc_o[i, j] *= scores_scale[i]
-
-    @T.macro
-    def pv_accumulate(k, pv_ready, PV_tmem, acc_pv, acc_o):
-        # O += this block's P V, once GEMM 2 is done.
-        T.mbarrier_wait_parity(pv_ready, k % 2)
-        T.copy(PV_tmem, acc_pv)
-        for i, j in T.Parallel(block_M, dim):
-            acc_o[i, j] += acc_pv[i, j]
-
-    @T.macro
-    def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz):
-        # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
-        for i, j in T.Parallel(block_M, dim):
-            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-        T.copy(acc_o, O_shared)
-        T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
-        for i in T.Parallel(block_M):
-            if bx * block_M + i < seq_q:
-                lse[bz, by, bx * block_M + i] = T.if_then_else(
-                    logsum[i] > 0,
-                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                    T.infinity(accum_dtype),
-                )
-
-    @T.prim_func
-    def flash_fwd(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(kv_shape, dtype),
-        V: T.Tensor(kv_shape, dtype),
-        Output: T.Tensor(q_shape, dtype),
-        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
-    ):
-        with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
-            K_shared = T.alloc_shared([block_N, dim], dtype)
-            V_shared = T.alloc_shared([block_N, dim], dtype)
-            O_shared = T.alloc_shared([block_M, dim], dtype)
-            # Accumulators live in tensor memory: S = Q Kᵀ and this block's P V.
-            S_tmem = T.alloc_tmem([block_M, block_N], accum_dtype)
-            PV_tmem = T.alloc_tmem([block_M, dim], accum_dtype)
-            # P, the A operand of GEMM 2: in TMEM (ts) or in shared memory (ss); the other name
-            # is None, so that one pv macro takes both.
-            P_tmem = T.alloc_tmem([block_M, block_N], dtype) if use_ts else None
-            P_shared = None if use_ts else T.alloc_shared([block_M, block_N], dtype)
-            s_ready = T.alloc_barrier(1)  # GEMM 1 done (one arrival: the MMA's commit)
-            pv_ready = T.alloc_barrier(1)  # GEMM 2 done
-            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_pv = T.alloc_fragment([block_M, dim], accum_dtype)
-            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
-            scores_max = T.alloc_fragment([block_M], accum_dtype)
-            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
-            scores_scale = T.alloc_fragment([block_M], accum_dtype)
-            scores_sum = T.alloc_fragment([block_M], accum_dtype)
-            logsum = T.alloc_fragment([block_M], accum_dtype)
-
-            T.copy(Q[bz, bx * block_M : (bx + 1) * block_M, by, :], Q_shared)
-            T.fill(acc_o, 0)
-            T.fill(logsum, 0)
-            T.fill(scores_max, neg_inf)
-
-            # Key blocks this query block visits, and the first that needs a mask (the ragged
-            # tail block and, when causal, the blocks crossing the diagonal).
-            n_blocks = T.ceildiv(seq_kv, block_N)
-            first_masked = seq_kv // block_N
-            if causal:
-                last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                n_blocks = T.max(0, T.min(n_blocks, T.ceildiv(last_key, block_N)))
-                first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
-
-            # A plain loop, not T.Pipelined: the MMA reads K_shared/V_shared asynchronously, so a
-            # buffer may be refilled only after the barrier of the GEMM reading it was waited on.
-            for k in T.serial(n_blocks):
-                T.copy(K[bz, k * block_N : (k + 1) * block_N, by // groups, :], K_shared)
-                scores(Q_shared, K_shared, S_tmem, s_ready)
-                # Load V while GEMM 1 runs: its last reader, GEMM 2 of step k-1, was waited on.
-                T.copy(V[bz, k * block_N : (k + 1) * block_N, by // groups, :], V_shared)
-                T.mbarrier_wait_parity(s_ready, k % 2)  # the barrier completes once per step
-                T.copy(S_tmem, acc_s)  # tcgen05.ld: TMEM → registers
-                mask(k, first_masked, bx, acc_s)
-                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
-                T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of GEMM 2
-                pv(acc_s_cast, P_tmem, P_shared, V_shared, PV_tmem, pv_ready)
-                rescale(acc_o, scores_scale)  # while GEMM 2 runs
-                pv_accumulate(k, pv_ready, PV_tmem, acc_pv, acc_o)
-
-            epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz)
-
-    return flash_fwd
-
-
-# ----------------------------------------------------------------------------- backward kernel
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_bwd(
     batch,
@@ -463,7 +296,7 @@ def build_kernels(args, target=None):
     seq_kv, dim, causal, softmax_scale, dtype)."""
     dim = args[5]
     check_bwd_config(dim, **BWD_CONFIG)
-    fwd = _compile(flashattn_fwd, args, {"variant": "ss"}, target)
+    fwd = _compile(gqa_fwd.flashattn_fwd, args, {"variant": "ss"}, target)
     bwd = _compile(flashattn_bwd, args, BWD_CONFIG, target)
     return fwd, bwd
 
