@@ -172,7 +172,8 @@ def seq_rows(X, layout, b, h, s0, n):
 
 
 def layout_shape(layout, batch, seq, heads, dim):
-    return [batch, seq, heads, dim] if layout == "bshd" else [batch, heads, seq, dim]
+    """The tensor's shape in ``layout``."""
+    return list(seq_index(layout, batch, heads, seq, dim))
 
 
 def query_block_range(bx, block_M, block_N, seq_q_pad, window_edges):
