@@ -637,7 +637,9 @@ def default_config(dim, arch="sm_90a"):
     Adding dQ with vector atomics straight from registers instead of the reduce-add lost
     clearly (kernel alone, with the earlier transposed dQ tile: D128 423 against 516, causal
     395 against 453, D64 397 against 472). The measured choice is the same with and without
-    ``causal``.
+    ``causal``. A third Q/dO stage at D=128 (226 KB of shared memory, no spills) measured level
+    or slower on 2026-11-23: 0.99-1.01x at S4096 and S8192, 0.97-0.98x at S16384 (bf16, 570
+    against 579 TFLOP/s).
 
     The grid is one thread block per (key block, kv head, batch entry). A persistent grid (one
     thread block per SM walking those tiles, causal ones paired heaviest with lightest as in the

@@ -358,6 +358,15 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     S=4096 on the 192-row tiles win (1.00x vs 0.92x). D=256: 64 keys a block, two stages, O
     stored from registers (Q and the K/V ring fill shared memory): at S=1024, 501 TFLOP/s against
     386 with one stage and O through shared memory, 426 with 32 keys a block, 451 with 64 rows.
+
+    Tried and not kept (2026-11-23, bf16, one process beside FlashAttention-3): consumer
+    ping-pong (named barriers make the two consumer warpgroups take turns issuing their GEMMs,
+    so one's softmax runs under the other's) measured level with this schedule, 0.99-1.01x on
+    four D=128 rows (B4 H32 S4096: 603 against 607 TFLOP/s; causal 551 against 544; B2 S8192
+    causal 594 against 591; B16 S1024 549 against 548): the intra-warpgroup overlap already
+    keeps the tensor cores busy. Wider D=128 tiles lost: 128x176 (FlashAttention-3's) 574
+    against 607 at S4096 and 498 against 548 at S1024; 128x192 567 and 454; 128x160 with
+    ping-pong 603 and 494.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
