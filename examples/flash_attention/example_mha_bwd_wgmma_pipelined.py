@@ -652,6 +652,11 @@ def default_config(dim, arch="sm_90a"):
     (2026-11-23; B4 H32 S4096 D128: 424-438 against 456 TFLOP/s with chunks of 4-8, 243 with
     1): thread blocks of one head running side by side share its Q, dO and dQ tiles in L2, and
     this grid's order (every key block of a head, then the next head) keeps them together.
+    For causal GQA, where a thread block walks every head of its group and the first key blocks
+    run longest, one thread block taking two key blocks (bx and the last − bx, so that all walk
+    the same number of steps) lost 1-7% on ten H32/Hkv8 and H64/Hkv8 rows (2026-11-23; S4096
+    D128 bf16: 421 against 444 TFLOP/s): the second block's K and V load waits for the first
+    one's epilogue.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
