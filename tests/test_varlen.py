@@ -276,7 +276,7 @@ SCHEDULES = [  # (lens_q, lens_k, heads, block_M, num_sms)
 ]
 
 
-@pytest.mark.parametrize("script", [MHA_FWD])
+@pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", range(len(SCHEDULES)))
 def test_tile_schedule(script, causal, case):
@@ -381,7 +381,7 @@ def test_forward_code():
     assert re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_q\)", src[:first_load])
 
 
-@pytest.mark.parametrize("script", [MHA_FWD])
+@pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
 def test_persistent_forward_code(script):
     """The forward scripts' kernel: one for every batch (total_q, total_k, the batch and the
     tile list's shape arrive as kernel arguments; the list's grid is the launch grid), written
@@ -420,6 +420,8 @@ FORWARD_BUILDS = [
     (MHA_FWD, 64, True),
     (MHA_FWD, 128, False),
     (MHA_FWD, 128, True),
+    (GQA_FWD, 64, False),
+    (GQA_FWD, 128, True),
 ]
 
 
