@@ -28,9 +28,9 @@ GEMM and epilogue. What packing changes:
   of one head together and the heads of one group one after another, so the thread blocks
   running side by side share their kv head's K and V in L2. The list is dealt in rounds, one
   tile per thread block: in each round the heaviest tile goes to the thread block with the
-  least work so far. The kernel takes the
-  result as a tensor ``[rounds, grid, 3]``; producer and consumers read the same entries, so they
-  walk the same tiles and their mbarrier phases stay in step;
+  least work so far. The kernel takes the result as a tensor ``[rounds, grid, 3]``; producer and
+  consumers read the same entries, so they walk the same tiles and their mbarrier phases stay in
+  step;
 - a tile reads its sequence's start and length from ``cu_seqlens`` and loads Q, K and V by TMA
   at that row offset into the packed tensors. A box that runs past the end of its sequence reads
   the next sequence's rows (or zeros past the tensor): keys past ``seq_len_k`` are masked to -inf
