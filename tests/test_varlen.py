@@ -243,6 +243,76 @@ def test_main_without_gpu_says_so(script):
     assert "--compile-only" in str(exc.value.code)
 
 
+# ----------------------------------------------------------------------------- CPU: tile list
+def _tile_costs(lens_q, lens_k, heads, block_M, block_N, causal):
+    """Every tile (query block, head, sequence) the forward kernel must run and its cost (key
+    blocks visited + 1), written out loop by loop."""
+    costs = {}
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        for m in range(-(-sq // block_M)):
+            last_key = min(sk, (m + 1) * block_M + sk - sq) if causal else sk
+            blocks = max(1, -(-last_key // block_N))
+            for h in range(heads):
+                costs[(m, h, b)] = blocks + 1
+    return costs
+
+
+def _bench_lengths(tokens=16384, max_len=4096, seed=0):
+    """benchmarks/bench_varlen.py's batch: random lengths summing to ``tokens``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(torch.randint(1, max_len + 1, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - tokens
+    return lengths
+
+
+SCHEDULES = [  # (lens_q, lens_k, heads, block_M, num_sms)
+    ([17, 64, 1, 130], [17, 64, 1, 130], 3, 128, 132),
+    ([0, 5, 0, 300, 17, 0], [0, 5, 0, 300, 17, 0], 4, 128, 8),  # empty sequences, first and last
+    ([100, 1, 513, 64, 300], [300, 50, 17, 64, 0], 2, 192, 16),  # Sq != Sk both ways, no keys
+    ([4096], [4096], 1, 128, 132),  # fewer tiles than SMs: a smaller grid
+    (_bench_lengths(), _bench_lengths(), 32, 128, 132),
+]
+
+
+@pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", range(len(SCHEDULES)))
+def test_tile_schedule(script, causal, case):
+    """tile_schedule lists every (query block, head, sequence) tile exactly once, and nothing
+    for a sequence without queries; at most num_sms thread blocks, one tile each per round,
+    empty entries (-1) in the last round only; sequences start heaviest first; and no thread
+    block gets more than one tile's cost above another (the round-by-round deal)."""
+    lens_q, lens_k, heads, block_M, num_sms = SCHEDULES[case]
+    cu_q = [sum(lens_q[:b]) for b in range(len(lens_q) + 1)]
+    cu_k = [sum(lens_k[:b]) for b in range(len(lens_k) + 1)]
+    table = load_script(script).tile_schedule(cu_q, cu_k, heads, block_M, 128, causal, num_sms)
+    costs = _tile_costs(lens_q, lens_k, heads, block_M, 128, causal)
+
+    rounds, grid, three = table.shape
+    assert table.dtype == torch.int32 and three == 3
+    assert grid == min(num_sms, len(costs)) and rounds == -(-len(costs) // grid)
+    entries = [tuple(e) for e in table.reshape(-1, 3).tolist()]
+    tiles = [e for e in entries if e[2] >= 0]
+    assert len(tiles) == len(set(tiles)) and set(tiles) == set(costs)
+    assert all(e == (-1, -1, -1) for e in entries if e[2] < 0)
+    assert all(e[2] >= 0 for e in entries[: (rounds - 1) * grid])
+
+    first_round = {}  # the round in which each sequence's first tile runs
+    for i, (_, _, b) in enumerate(entries):
+        if b >= 0:
+            first_round.setdefault(b, i // grid)
+    work = {b: sum(c for (_, _, s), c in costs.items() if s == b) for b in first_round}
+    starts = [first_round[b] for b in sorted(first_round, key=lambda b: -work[b])]
+    assert starts == sorted(starts)
+
+    load = [
+        sum(costs[tuple(e)] for e in table[:, cta].tolist() if e[2] >= 0) for cta in range(grid)
+    ]
+    assert max(load) - min(load) <= max(costs.values())
+
+
 # ----------------------------------------------------------------------------- CPU: builds
 # (script, argv): every kernel of every script for sm_90a, both head dims, causal and not, both
 # dtypes, groups 1/4/8.
@@ -271,30 +341,34 @@ def test_compile_only_main_builds_for_sm90(script, argv, capsys):
 
 
 @functools.cache
-def sources(script, dim, causal, dtype):
-    """CUDA source of each kernel for sm_90a (what test_compile_only_main built: TileLang's
-    cache makes the second build cheap)."""
+def forward_kernel(script, dim, causal, dtype):
+    """A forward script's compiled kernel for sm_90a with its default tiles (what
+    test_compile_only_main built: TileLang's cache makes the second build cheap)."""
     import harness
 
     mod = load_script(script)
-    scale = 1 / math.sqrt(dim)
-    if script == GQA_BWD:
-        return mod.compile_all(16, 4, dim, causal, dtype, "sm_90a")
     heads = (16,) if script == MHA_FWD else (16, 2)
-    cfg = mod.default_config(dim, "sm_90a")
-    kernel = harness.compile_for(
-        mod.flashattn_fwd_varlen, "sm_90a", *heads, dim, causal, scale, dtype, **cfg
+    cfg = mod.default_config(dim, "sm_90a", causal)
+    return harness.compile_for(
+        mod.flashattn_fwd_varlen, "sm_90a", *heads, dim, causal, 1 / math.sqrt(dim), dtype, **cfg
     )
-    return {"flashattn_fwd_varlen": kernel.get_kernel_source()}
 
 
-@pytest.mark.parametrize("script", [MHA_FWD, GQA_BWD])
-def test_forward_code(script):
-    """One kernel for every batch: total_q, total_k and the batch arrive as kernel arguments.
-    Q/K/V come by TMA at per-sequence offsets; the output leaves by TMA store only from blocks
-    wholly inside their sequence (a box would overwrite the next sequence's rows), by a guarded
-    store otherwise; blocks past a sequence's end leave before issuing a load."""
-    src = sources(script, 128, True, "float16")["flashattn_fwd_varlen"]
+@functools.cache
+def sources(script, dim, causal, dtype):
+    """CUDA source of each kernel for sm_90a."""
+    if script == GQA_BWD:
+        return load_script(script).compile_all(16, 4, dim, causal, dtype, "sm_90a")
+    return {"flashattn_fwd_varlen": forward_kernel(script, dim, causal, dtype).get_kernel_source()}
+
+
+def test_forward_code():
+    """The backward script's own forward (T.Pipelined, a block per query block): one kernel for
+    every batch: total_q, total_k and the batch arrive as kernel arguments. Q/K/V come by TMA at
+    per-sequence offsets; the output leaves by TMA store only from blocks wholly inside their
+    sequence (a box would overwrite the next sequence's rows), by a guarded store otherwise;
+    blocks past a sequence's end leave before issuing a load."""
+    src = sources(GQA_BWD, 128, True, "float16")["flashattn_fwd_varlen"]
     signature = src[: src.index("{")]
     for arg in ("int batch", "int max_seqlen_q", "int total_q"):
         assert arg in signature, arg
@@ -305,6 +379,74 @@ def test_forward_code(script):
     assert re.search(r"\} else \{(?:(?!tma_store).)*?\*\(uint4\*\)\(Output \+", src, re.S)
     first_load = src.index("tma_load(")
     assert re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_q\)", src[:first_load])
+
+
+@pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
+def test_persistent_forward_code(script):
+    """The forward scripts' kernel: one for every batch (total_q, total_k, the batch and the
+    tile list's shape arrive as kernel arguments; the list's grid is the launch grid), written
+    out as producer and consumer warpgroups (24 and 240 registers, S(k) issued before
+    P(k-1) V(k-1) is waited for). Each round reads its entry of the tile list and skips an empty
+    one before any load. Q/K/V come by TMA at per-sequence offsets; the output leaves by TMA
+    store only from blocks wholly inside their sequence (a box would overwrite the next
+    sequence's rows), by a guarded store otherwise."""
+    src = sources(script, 128, True, "float16")["flashattn_fwd_varlen"]
+    signature = src[: src.index("{")]
+    for arg in (
+        "int batch",
+        "int total_q",
+        "int rounds",
+        "int grid",
+        "const int* __restrict__ tiles",
+    ):
+        assert arg in signature, arg
+    assert "__launch_bounds__(384, 1)" in src  # two consumer warpgroups + the producer
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+    assert src.count("wait_wgmma<1>") >= 1, "QKᵀ of block k overlaps PV of block k-1"
+    for tensor in ("Q", "K", "V"):
+        assert f"tl::tma_load({tensor}_desc" in src, tensor
+    # the round's entry first; an empty one (bz < 0) skips everything, loads included
+    first_load = src.index("tma_load(")
+    entry = r"for \(int it = 0; it < rounds; \+\+it\) \{\n\s*bz = tiles\[[^;]*;\n\s*if \(0 <= bz\)"
+    assert re.search(entry, src[:first_load])
+    # (seq_len_q reaches the epilogue macro as a copy: seq_len_q_1)
+    store = re.search(r"if \(\(+.*\) <= seq_len_q\w*\) \{\n[^}]*tl::tma_store\(Output_desc", src)
+    assert store, "the TMA store must sit under the whole-block test"
+    assert re.search(r"\} else \{(?:(?!tma_store).)*?\*\(uint4\*\)\(Output \+", src, re.S)
+
+
+FORWARD_BUILDS = [
+    (MHA_FWD, 64, False),  # 192 query rows: three consumer warpgroups at 160 registers
+    (MHA_FWD, 64, True),
+    (MHA_FWD, 128, False),
+    (MHA_FWD, 128, True),
+    (GQA_FWD, 64, False),
+    (GQA_FWD, 128, True),
+]
+
+
+@pytest.mark.parametrize(
+    "script,dim,causal", FORWARD_BUILDS, ids=[f"{s[16:-3]}-D{d}-{c}" for s, d, c in FORWARD_BUILDS]
+)
+def test_forward_spills_nothing_and_fits(script, dim, causal):
+    """Default tiles: ptxas spills nothing, no stack, no serialized WGMMA; the consumers'
+    setmaxnreg rise is covered by the producer's drop (or they would wait forever: a deadlock);
+    shared memory fits an H100 thread block."""
+    from test_flash_bwd_fast import SMEM_LIMIT, ptxas_report
+
+    import harness
+
+    kernel = forward_kernel(script, dim, causal, "bfloat16")
+    src = kernel.get_kernel_source()
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "Potential Performance Loss" not in report, report
+    threads = int(re.search(r"__launch_bounds__\((\d+), 1\)", src).group(1))
+    consumer_regs = int(re.search(r"warpgroup_reg_alloc<(\d+)>", src).group(1))
+    launch = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert 128 * 24 + (threads - 128) * consumer_regs <= launch * threads
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
 
 
 def test_backward_code():

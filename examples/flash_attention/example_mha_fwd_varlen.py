@@ -8,28 +8,38 @@ a padded batch and its attention mask):
 
 Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key rows
 ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; its queries attend to its own keys only. Query and key
-lengths may differ per sequence. ``max_seqlen_q`` (a Python int, at least the longest query
-sequence) sizes the launch grid; ``max_seqlen_k`` is taken for FlashAttention compatibility.
+lengths may differ per sequence. ``max_seqlen_q`` and ``max_seqlen_k`` (Python ints, at least the
+longest sequence) are taken for FlashAttention compatibility and checked; the kernel's work
+comes from the lengths themselves.
 
-The kernel is the dense forward (online softmax over ``block_N`` keys at a time, TMA loads,
-WGMMA GEMMs, warp specialization by ``T.Pipelined``; example_mha_fwd_bshd.py writes that schedule
-out by hand and makes it persistent) with three changes:
+The kernel is the persistent, warp-specialized forward of example_mha_fwd_bshd.py (read that one
+first): a producer warpgroup loads Q and a ring of K/V tiles by TMA and hands them over through
+"full" / "empty" mbarriers; consumer warpgroups issue S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to
+back as asynchronous WGMMA and run the online softmax of block k while the second GEMM runs; one
+thread block per SM loops over tiles, so the next tile's loads run under the current tile's last
+GEMM and epilogue. What packing changes:
 
-- the grid is ``(ceil(max_seqlen_q / block_M), H, B)``; each block reads its sequence's start and
-  length from ``cu_seqlens`` and exits at once when its query block lies past the sequence end,
-  so a batch of short sequences costs no more than its tokens;
-- the Q/K/V tiles are TMA loads at a per-sequence row offset into the packed tensors. A tile that
-  runs past the end of its sequence reads the next sequence's rows (or zeros past the tensor):
-  keys past ``seq_len_k`` are masked to -inf before the softmax and query rows past
-  ``seq_len_q`` are never stored, so no other sequence leaks in;
-- the output of a query block wholly inside its sequence leaves by one TMA store, as in the
-  dense kernel; the sequence's last, partial block is written row by row under a guard (its
-  TMA box would overwrite the next sequence's first rows). ``lse`` is ``[H, total_q]``, as in
-  FlashAttention's varlen API.
+- the tiles are listed on the host (``tile_schedule``), where the lengths already are (checking
+  the input reads ``cu_seqlens``): one tile per (sequence, head, query block), so a sequence
+  costs its own blocks and an empty one none. Sequences come heaviest first, and the query
+  blocks of one head together, so the thread blocks running side by side share that head's K
+  and V in L2. The list is dealt in rounds, one tile per thread block: in each round the
+  heaviest tile goes to the thread block with the least work so far. The kernel takes the
+  result as a tensor ``[rounds, grid, 3]``; producer and consumers read the same entries, so they
+  walk the same tiles and their mbarrier phases stay in step;
+- a tile reads its sequence's start and length from ``cu_seqlens`` and loads Q, K and V by TMA
+  at that row offset into the packed tensors. A box that runs past the end of its sequence reads
+  the next sequence's rows (or zeros past the tensor): keys past ``seq_len_k`` are masked to -inf
+  before the softmax and query rows past ``seq_len_q`` are never stored, so no other sequence
+  leaks in;
+- the output of a query block wholly inside its sequence leaves through shared memory by one TMA
+  store, as in the dense kernel; the sequence's last, partial block is written row by row under a
+  guard (its TMA box would overwrite the next sequence's first rows). ``lse`` is
+  ``[H, total_q]``, as in FlashAttention's varlen API.
 
-``total_q``, ``total_k`` and ``B`` are TileLang dynamic dimensions (``T.dynamic``) and
-``max_seqlen_q`` a scalar argument, so one compiled kernel serves every batch: only the head
-count, head dim, dtype, causal flag, scale and tiles pick a kernel.
+``total_q``, ``total_k``, ``B`` and the shape of the tile list are TileLang dynamic dimensions
+(``T.dynamic``), so one compiled kernel serves every batch: only the head count, head dim, dtype,
+causal flag, scale and tiles pick a kernel.
 
 Causal masking is aligned bottom-right per sequence (as FlashAttention ≥ 2.1): query ``i`` of a
 sequence sees its key ``j`` when ``j <= i + seq_len_k - seq_len_q``. A query row that sees no key
@@ -48,8 +58,7 @@ API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.m
     causal: bool. Apply the causal mask (aligned bottom-right, above).
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
     return_lse: bool. Also return lse: (nheads, total_q), float32, natural log.
-    config: dict. Tile configuration (block_M, block_N, num_stages, threads); default
-        ``default_config``.
+    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
     Returns out: (total_q, nheads, headdim), or (out, lse) when return_lse.
 
 Underneath, ``attention_varlen`` calls the custom operator ``tl_attn::mha_fwd_varlen``
@@ -61,6 +70,7 @@ Run:
     python examples/flash_attention/example_mha_fwd_varlen.py --compile-only --arch sm_90a  # no GPU
 """
 
+import functools
 import math
 import numbers
 import pathlib
@@ -71,9 +81,14 @@ import tilelang.language as T
 import torch
 
 LOG2E = 1.4426950408889634
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    # The kernel splits producer and consumers itself (below); no automatic warp specialization.
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+}
 HEAD_DIMS = (64, 128)
-ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA)
+ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
+PRODUCER_REGS = 24
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -86,49 +101,58 @@ def flashattn_fwd_varlen(
     dtype="float16",
     block_M=128,
     block_N=128,
-    num_stages=1,
-    threads=256,
+    num_stages=2,
 ):
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
     neg_inf = -T.infinity(accum_dtype)
-    # Sizes that change from batch to batch are dynamic: no recompilation for a new batch.
-    total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
+    # Sizes that change from batch to batch are dynamic: no recompilation for a new batch. The
+    # tile list (tile_schedule) is [rounds, grid, 3], and its grid is the launch grid.
+    total_q, total_k, batch, rounds, grid = T.dynamic("total_q, total_k, batch, rounds, grid")
+    consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
+    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
+    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
+    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
 
-    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated CUDA
-    # is the same as with the steps written out in the loop.
-    @T.macro
-    def scores(K, kv0, kv_head, Q_shared, K_shared, acc_s):
-        # S = Q Kᵀ of the key block starting at packed row kv0.
-        T.copy(K[kv0 : kv0 + block_N, kv_head, :], K_shared)
-        T.gemm(
-            Q_shared,
-            K_shared,
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+    def key_blocks(row0, seq_len_q, seq_len_k):
+        # Key blocks the query block starting at row row0 of its sequence visits. At least one,
+        # even when no row sees a key (a sequence without keys, or causal rows before the
+        # diagonal): the consumers then write O = 0 and lse = +inf as for any empty row, and
+        # producer and consumers count the same blocks either way.
+        n_blocks = T.ceildiv(seq_len_k, block_N)
+        if causal:
+            last_key = row0 + block_M + seq_len_k - seq_len_q  # one past the last key it sees
+            n_blocks = T.min(n_blocks, T.ceildiv(last_key, block_N))
+        return T.max(1, n_blocks)
+
+    def first_masked_block(row0, seq_len_q, seq_len_k):
+        # Only the ragged tail block (seq_len_k % block_N) and, when causal, the blocks crossing
+        # the diagonal need a mask; every key block before this one is used unmasked.
+        if causal:
+            diagonal = row0 + seq_len_k - seq_len_q
+            return T.min(seq_len_k // block_N, T.max(0, diagonal // block_N))
+        return seq_len_k // block_N
 
     @T.macro
-    def mask(k, first_masked, row0, seq_len_k, offset, acc_s):
+    def online_softmax(
+        k, first_masked, seq_len_k, diagonal, acc_s, scores_max, scores_max_prev, scores_scale,
+        scores_sum, logsum,
+    ):  # fmt: skip
+        # acc_s holds S = Q Kᵀ of key block k: mask it, fold it into the running row max and
+        # row sum, and turn it into P = exp2(S·scale - max·scale). Keys past seq_len_k belong to
+        # the next sequence: they never get in. Row i sees key j when j <= diagonal + i (causal).
         if k >= first_masked:
-            # Keys past seq_len_k are the next sequence's: never let them in.
             for i, j in T.Parallel(block_M, block_N):
                 key = k * block_N + j
                 visible = key < seq_len_k
                 if causal:
-                    visible = visible and key <= row0 + i + offset
+                    visible = visible and key <= diagonal + i
                 acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-    @T.macro
-    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
-        # Online softmax: new row max, rescale what was accumulated under the old.
         T.copy(scores_max, scores_max_prev)
         T.reduce_max(acc_s, scores_max, dim=1, clear=False)
         for i in T.Parallel(block_M):
-            # A row that has seen no visible key yet keeps max = -inf; using 0
-            # instead makes exp2 give 0 rather than NaN (-inf - -inf).
+            # A row that has seen no visible key yet keeps max = -inf; using 0 instead makes
+            # exp2 give 0 rather than NaN (-inf - -inf).
             scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
             scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
         for i, j in T.Parallel(block_M, block_N):
@@ -138,24 +162,13 @@ def flashattn_fwd_varlen(
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
 
     @T.macro
-    def rescale(acc_o, scores_scale):
-        for i, j in T.Parallel(block_M, dim):
-            acc_o[i, j] *= scores_scale[i]
-
-    @T.macro
-    def pv(V, kv0, kv_head, V_shared, acc_s_cast, acc_o):
-        # O += P V of the key block starting at packed row kv0.
-        T.copy(V[kv0 : kv0 + block_N, kv_head, :], V_shared)
-        T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-    @T.macro
     def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, row0, seq_len_q, by):
         # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
         for i, j in T.Parallel(block_M, dim):
             acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-        # Through shared memory. A block wholly inside the sequence leaves by one TMA
-        # store; the sequence's last, partial block by a guarded store of its own rows
-        # (a TMA box would overwrite the next sequence's first rows).
+        # Through shared memory. A block wholly inside the sequence leaves by one TMA store; the
+        # sequence's last, partial block by a guarded store of its own rows (a TMA box would
+        # overwrite the next sequence's first rows).
         T.copy(acc_o, O_shared)
         if row0 + block_M <= seq_len_q:
             T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
@@ -178,18 +191,14 @@ def flashattn_fwd_varlen(
         V: T.Tensor([total_k, heads, dim], dtype),
         cu_seqlens_q: T.Tensor([batch + 1], "int32"),
         cu_seqlens_k: T.Tensor([batch + 1], "int32"),
-        max_seqlen_q: T.int32,
+        tiles: T.Tensor([rounds, grid, 3], "int32"),
         Output: T.Tensor([total_q, heads, dim], dtype),
         lse: T.Tensor([heads, total_q], accum_dtype),
     ):
-        with T.Kernel(T.ceildiv(max_seqlen_q, block_M), heads, batch, threads=threads) as (
-            bx,
-            by,
-            bz,
-        ):
+        with T.Kernel(grid, threads=consumers + 128) as cta:
             Q_shared = T.alloc_shared([block_M, dim], dtype)
-            K_shared = T.alloc_shared([block_N, dim], dtype)
-            V_shared = T.alloc_shared([block_N, dim], dtype)
+            K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             O_shared = T.alloc_shared([block_M, dim], dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
             acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
@@ -200,79 +209,259 @@ def flashattn_fwd_varlen(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
-            k_offset = cu_seqlens_k[bz]  # and of its keys
-            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
-            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-            offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
+            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # arrive and its TMA load completes the byte count; "empty": every consumer thread
+            # arrives when it no longer reads the buffer. K and V stages have a pair each.
+            q_full = T.alloc_barrier(128)
+            q_empty = T.alloc_barrier(consumers)
+            k_full = T.alloc_barrier([128] * num_stages)
+            v_full = T.alloc_barrier([128] * num_stages)
+            k_empty = T.alloc_barrier([consumers] * num_stages)
+            v_empty = T.alloc_barrier([consumers] * num_stages)
+            # Both sides count the key blocks and tiles they have been through, so each knows
+            # which stage (g % num_stages) and barrier phase (g // num_stages) comes next. An
+            # empty entry of the list (bz < 0, the last round's padding) counts for neither.
+            kv_count = T.alloc_var("int32")
+            tile_count = T.alloc_var("int32")
+            kv_count = 0
+            tile_count = 0
+            # The current tile, read once into registers: its sequence bz, head by, first query
+            # row row0 within the sequence, and the sequence's packed offsets and lengths.
+            bz = T.alloc_var("int32")
+            by = T.alloc_var("int32")
+            row0 = T.alloc_var("int32")
+            q_offset = T.alloc_var("int32")  # first packed row of the sequence's queries
+            k_offset = T.alloc_var("int32")  # and of its keys
+            seq_len_q = T.alloc_var("int32")
+            seq_len_k = T.alloc_var("int32")
+            tx = T.get_thread_binding()
 
-            # The grid is sized for the longest sequence: blocks past this one's end leave at
-            # once, before any load is issued (so none can still be in flight at exit).
-            if bx * block_M < seq_len_q:
-                # Causal: the last query blocks of a sequence see the most keys. Launch them
-                # first, so the short blocks fill the tail of the grid.
-                m_blk = T.ceildiv(seq_len_q, block_M) - 1 - bx if causal else bx
-                row0 = m_blk * block_M  # first query row of this block, within the sequence
+            if tx >= consumers:
+                # ----------------------------------------------------------- producer warpgroup
+                T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
+                for it in T.serial(rounds):
+                    bz = tiles[it, cta, 2]  # < 0: no tile this round
+                    if bz >= 0:
+                        row0 = tiles[it, cta, 0] * block_M
+                        by = tiles[it, cta, 1]
+                        q_offset = cu_seqlens_q[bz]
+                        k_offset = cu_seqlens_k[bz]
+                        seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                        seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                        n_blocks = key_blocks(row0, seq_len_q, seq_len_k)
+                        # A fresh mbarrier counts as having completed the phase before phase 0,
+                        # so the first wait on an "empty" barrier (parity 1) passes at once.
+                        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
+                        T.tma_copy(
+                            Q[q_offset + row0 : q_offset + row0 + block_M, by, :],
+                            Q_shared,
+                            barrier=q_full,
+                        )
+                        T.barrier_arrive(q_full)
+                        for k in T.serial(n_blocks):
+                            g = kv_count + k
+                            stage = g % num_stages
+                            phase = (g // num_stages) & 1
+                            kv0 = k_offset + k * block_N  # packed row of the block's first key
+                            T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+                            T.tma_copy(
+                                K[kv0 : kv0 + block_N, by, :],
+                                K_shared[stage, :, :],
+                                barrier=k_full[stage],
+                            )
+                            T.barrier_arrive(k_full[stage])
+                            T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+                            T.tma_copy(
+                                V[kv0 : kv0 + block_N, by, :],
+                                V_shared[stage, :, :],
+                                barrier=v_full[stage],
+                            )
+                            T.barrier_arrive(v_full[stage])
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
+            else:
+                # ---------------------------------------------------------- consumer warpgroups
+                T.set_max_nreg(consumer_regs, 1)
+                for it in T.serial(rounds):
+                    bz = tiles[it, cta, 2]
+                    if bz >= 0:
+                        row0 = tiles[it, cta, 0] * block_M
+                        by = tiles[it, cta, 1]
+                        q_offset = cu_seqlens_q[bz]
+                        k_offset = cu_seqlens_k[bz]
+                        seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                        seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                        diagonal = row0 + seq_len_k - seq_len_q  # bottom-right, per sequence
+                        n_blocks = key_blocks(row0, seq_len_q, seq_len_k)
+                        first_masked = first_masked_block(row0, seq_len_q, seq_len_k)
+                        T.fill(acc_o, 0)
+                        T.fill(logsum, 0)
+                        T.fill(scores_max, neg_inf)
+                        T.mbarrier_wait_parity(q_full, tile_count & 1)
 
-                # Rows past the sequence end belong to the next sequence (or read as zeros past
-                # total_q): they are computed and thrown away, never stored.
-                T.copy(Q[q_offset + row0 : q_offset + row0 + block_M, by, :], Q_shared)
-                T.fill(acc_o, 0)
-                T.fill(logsum, 0)
-                T.fill(scores_max, neg_inf)
+                        # Key block 0: S = Q Kᵀ, its softmax; P(0) waits in registers.
+                        stage = kv_count % num_stages
+                        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+                        T.wgmma_gemm(
+                            Q_shared,
+                            K_shared[stage, :, :],
+                            acc_s,
+                            transpose_B=True,
+                            clear_accum=True,
+                            policy=T.GemmWarpPolicy.FullRow,
+                        )
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(k_empty[stage])
+                        online_softmax(
+                            0, first_masked, seq_len_k, diagonal, acc_s, scores_max,
+                            scores_max_prev, scores_scale, scores_sum, logsum,
+                        )  # fmt: skip
+                        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-                # Key blocks this query block must visit, and the first one that needs a mask:
-                # the ragged tail block (seq_len_k % block_N) and, when causal, the blocks that
-                # cross the diagonal. Every block before it is used unmasked.
-                n_blocks = T.ceildiv(seq_len_k, block_N)
-                first_masked = seq_len_k // block_N
-                if causal:
-                    last_key = row0 + block_M + offset  # one past the last key this block sees
-                    n_blocks = T.min(n_blocks, T.ceildiv(last_key, block_N))
-                    first_masked = T.min(first_masked, T.max(0, (row0 + offset) // block_N))
-                # At least one (fully masked) block even when no row here sees a key (an empty
-                # key sequence, or causal rows before the diagonal): the loop is where the
-                # consumers wait for the Q tile's TMA load, and a load still in flight at exit
-                # could land in shared memory another block already owns.
-                n_blocks = T.max(1, n_blocks)
+                        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
+                        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
+                        # P(k-1) V(k-1) still occupies the tensor cores.
+                        for k in T.serial(1, n_blocks):
+                            g = kv_count + k
+                            stage = g % num_stages
+                            prev = (g - 1) % num_stages
+                            T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+                            T.wgmma_gemm(
+                                Q_shared,
+                                K_shared[stage, :, :],
+                                acc_s,
+                                transpose_B=True,
+                                clear_accum=True,
+                                policy=T.GemmWarpPolicy.FullRow,
+                            )
+                            T.wgmma_gemm(
+                                acc_s_cast,
+                                V_shared[prev, :, :],
+                                acc_o,
+                                policy=T.GemmWarpPolicy.FullRow,
+                            )
+                            T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
+                            T.barrier_arrive(k_empty[stage])
+                            online_softmax(
+                                k, first_masked, seq_len_k, diagonal, acc_s, scores_max,
+                                scores_max_prev, scores_scale, scores_sum, logsum,
+                            )  # fmt: skip
+                            T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+                            T.barrier_arrive(v_empty[prev])
+                            # Rescale what was accumulated under the old row max.
+                            for i, j in T.Parallel(block_M, dim):
+                                acc_o[i, j] *= scores_scale[i]
+                            T.copy(acc_s, acc_s_cast)
+                        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
+                        T.barrier_arrive(q_empty)
 
-                for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                    kv0 = k_offset + k * block_N
-                    scores(K, kv0, by, Q_shared, K_shared, acc_s)
-                    mask(k, first_masked, row0, seq_len_k, offset, acc_s)
-                    softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
-                    T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of the second GEMM
-                    rescale(acc_o, scores_scale)
-                    pv(V, kv0, by, V_shared, acc_s_cast, acc_o)
+                        g = kv_count + n_blocks - 1
+                        stage = g % num_stages
+                        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+                        T.wgmma_gemm(
+                            acc_s_cast,
+                            V_shared[stage, :, :],
+                            acc_o,
+                            policy=T.GemmWarpPolicy.FullRow,
+                        )
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(v_empty[stage])
 
-                epilogue(
-                    acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, row0, seq_len_q, by
-                )
+                        epilogue(
+                            acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, row0,
+                            seq_len_q, by,
+                        )  # fmt: skip
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
 
     return flash_fwd_varlen
 
 
-def default_config(dim, arch="sm_90a"):
-    """Tile configuration, measured on an H100 for the pipelined dense forward.
+def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, num_sms):
+    """The persistent kernel's work list, from the cumulative lengths (Python ints, as
+    ``_host_values`` reads them): int32 ``[rounds, grid, 3]``, where entry ``[r, cta]`` is the
+    (query block, head, sequence) of the tile thread block ``cta`` runs in round ``r``, or
+    ``(-1, -1, -1)`` for none (only the last round has such gaps). ``grid`` is at most
+    ``num_sms``, and fewer when there are fewer tiles.
 
-    Hopper: TileLang adds one producer warpgroup to ``threads``, so 256 threads = two consumer
-    warpgroups of 64 query rows each; D=64 has registers for a third (block_M=192). Ragged
-    batches waste at most one partial query block per sequence, so the dense tiles carry over;
-    ``--tune`` compares the alternatives on a real batch. The dense measurements found no effect
-    of ``causal`` on the best tiles. Hopper only (other archs do not build).
+    Every (sequence, head, query block) of a sequence with queries is one tile; a sequence
+    without queries has none. A tile's cost is the key blocks it visits (the kernel's
+    ``key_blocks``) plus one for loading Q and storing O. Sequences go heaviest first (their
+    total cost); within a sequence, head by head, the query blocks of a head last to first (the
+    heaviest first when causal), so the tiles of a round mostly share a few heads' K and V in
+    L2. The list is dealt in rounds of ``grid`` tiles, one tile per thread block; within a round
+    the heaviest tile goes to the thread block with the least work so far."""
+    cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int64)
+    cu_k = torch.tensor(cu_seqlens_k, dtype=torch.int64)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    m_blocks = (len_q + block_M - 1) // block_M
+    per_sequence = m_blocks * heads
+    seq = torch.repeat_interleave(torch.arange(len(len_q)), per_sequence)
+    j = torch.arange(len(seq)) - (torch.cumsum(per_sequence, 0) - per_sequence)[seq]
+    head = j // m_blocks[seq]
+    m_blk = m_blocks[seq] - 1 - j % m_blocks[seq]
+    n_blocks = (len_k[seq] + block_N - 1) // block_N  # as key_blocks in the kernel
+    if causal:
+        last_key = (m_blk + 1) * block_M + len_k[seq] - len_q[seq]
+        n_blocks = torch.minimum(n_blocks, (last_key + block_N - 1) // block_N)
+    cost = n_blocks.clamp(min=1) + 1
+    sequence_cost = torch.zeros(len(len_q), dtype=torch.int64).index_add_(0, seq, cost)
+    rank = torch.empty_like(sequence_cost)
+    rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
+    order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
+    entries = torch.stack([m_blk, head, seq], dim=1)[order]
+    cost = cost[order]
+
+    grid = max(1, min(num_sms, len(order)))
+    rounds = (len(order) + grid - 1) // grid
+    table = torch.full((rounds, grid, 3), -1, dtype=torch.int32)
+    load = torch.zeros(grid, dtype=torch.int64)  # the work each thread block has so far
+    for r in range(rounds):
+        this_round = slice(r * grid, (r + 1) * grid)
+        heaviest_first = torch.argsort(cost[this_round], descending=True, stable=True)
+        least_loaded = torch.argsort(load, stable=True)[: len(heaviest_first)]
+        table[r, least_loaded] = entries[this_round][heaviest_first].to(torch.int32)
+        load[least_loaded] += cost[this_round][heaviest_first]
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _device_tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, device):
+    """``tile_schedule`` on ``device`` for one thread block per SM, kept for the next call with
+    the same lengths (a model's layers share one batch's ``cu_seqlens``): building it costs host
+    time and a copy to the device."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    table = tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, num_sms)
+    return table.to(device)
+
+
+def default_config(dim, arch="sm_90a", causal=False):
+    """Tile configuration: the persistent dense forward's (example_mha_fwd_bshd.py).
+
+    D=128: 128×128 tiles (two consumer warpgroups at 240 registers), two K/V stages. D=64:
+    192-row tiles (three consumer warpgroups at 160 registers), except causal, where the dense
+    kernel measured 128-row tiles faster for keys up to 2048 (a packed batch's sequences are
+    usually that short). ``--tune`` compares the alternatives on a real batch. Hopper only
+    (other archs do not build).
     """
     if not arch.startswith("sm_90"):
-        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA, WGMMA)")
-    if dim <= 64:
-        return dict(block_M=192, block_N=128, num_stages=2, threads=384)
-    return dict(block_M=128, block_N=128, num_stages=1, threads=256)
+        raise ValueError(
+            f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg); "
+            "for Blackwell see examples/flash_attention_sm100/"
+        )
+    if dim <= 64 and not causal:
+        return dict(block_M=192, block_N=128, num_stages=2)
+    return dict(block_M=128, block_N=128, num_stages=2)
 
 
-def tune_configs():
-    """The space ``--tune`` compares: 64 query rows per consumer warpgroup."""
+def tune_configs(dim):
+    """The small space ``--tune`` compares (64 query rows per consumer warpgroup); D=128 keeps to
+    two consumer warpgroups, as the dense kernel does (with a third, registers run short)."""
+    rows = (64, 128, 192) if dim <= 64 else (64, 128)
     return [
-        dict(block_M=bm, block_N=bn, num_stages=st, threads=th)
-        for bm, th in ((128, 256), (192, 384))
+        dict(block_M=bm, block_N=bn, num_stages=st)
+        for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
     ]
@@ -385,8 +574,9 @@ def attention_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, config=None
 ):
     """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
+    del max_seqlen_q  # the tile list comes from the lengths themselves
     H, D = q.shape[1:]
-    cfg = config or default_config(D, device_arch(q.device))
+    cfg = config or default_config(D, device_arch(q.device), causal)
     dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
     out = torch.empty_like(q)
     lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
@@ -395,7 +585,11 @@ def attention_forward(
         lse.fill_(math.inf)
     elif q.shape[0] > 0:
         kernel = flashattn_fwd_varlen(H, D, bool(causal), float(softmax_scale), dtype, **cfg)
-        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse)
+        tiles = _device_tile_schedule(
+            tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H,
+            cfg["block_M"], cfg["block_N"], bool(causal), q.device,
+        )  # fmt: skip
+        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, out, lse)
     return out, lse
 
 
@@ -405,7 +599,7 @@ def attention_forward(
 # CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
 # The checks that read cu_seqlens run in the real implementation, never in traced code, so a
 # compiled model reads each cu_seqlens tensor once, as eager code does.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "threads")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages")
 
 
 @torch.library.custom_op("tl_attn::mha_fwd_varlen", mutates_args=())
@@ -505,7 +699,7 @@ def ref_program(
     """Plain PyTorch in float32 (float64 stays float64; runs on CPU), same signature and
     conventions as ``attention_varlen``: one dense attention per sequence, so memory stays
     bounded by the longest sequence."""
-    del max_seqlen_q, max_seqlen_k  # only the kernel's grid needs them
+    del max_seqlen_q, max_seqlen_k  # FlashAttention compatibility: cu_seqlens holds the lengths
     acc = torch.promote_types(q.dtype, torch.float32)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -599,7 +793,7 @@ def padded_batch(batch, max_q, max_k, heads, heads_kv, dim, dtype, distinct_k, s
 
 
 def _config_name(cfg):
-    return "{block_M}x{block_N}/{num_stages}st/{threads}t".format(**cfg)
+    return "{block_M}x{block_N}/{num_stages}st".format(**cfg)
 
 
 def main(argv=None):
@@ -612,11 +806,11 @@ def main(argv=None):
     script = pathlib.Path(__file__).name
 
     if args.compile_only:
-        cfg = default_config(D, args.arch)
+        cfg = default_config(D, args.arch, args.causal)
         kernel = harness.compile_for(
             flashattn_fwd_varlen, args.arch, H, D, args.causal, scale, args.dtype, **cfg
         )
-        print(f"{script}: built for {args.arch} with {cfg} (total_q, total_k, batch dynamic)")
+        print(f"{script}: built for {args.arch} with {cfg} (batch sizes and tile list dynamic)")
         print(harness.describe_source("flashattn_fwd_varlen", kernel.get_kernel_source()))
         return
 
@@ -652,7 +846,7 @@ def main(argv=None):
     config = None
     if args.tune:
         # Every tune_configs entry side by side in one report; the fastest is checked.
-        named = {"tilelang varlen " + _config_name(c): c for c in tune_configs()}
+        named = {"tilelang varlen " + _config_name(c): c for c in tune_configs(D)}
         config = named[harness.fastest(benchmark(named))]
         print(f"tuned: {config}")
 
