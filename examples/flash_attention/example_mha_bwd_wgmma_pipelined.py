@@ -61,6 +61,14 @@ block takes a key block of a kv head and walks the query blocks of each of the g
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
 so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way.
 
+Packed (varlen) batches — ``[total, H, D]`` tensors with ``cu_seqlens`` — need no second
+schedule either: with ``layout="thd"`` the three kernels read each sequence's offsets and lengths
+at run time (a thread block past its sequence's keys leaves at once), and lse, delta and the
+dQ accumulator are cut into per-sequence tiles of ``block_N`` rows (sequence b's from tile
+``cu_seqlens_q[b] // block_N + b``, ``tile_start``), padded like the dense rows, so a query box
+that runs into the next sequence needs no mask and its dQ rows add zeros into this sequence's
+own tile. example_gqa_bwd_tma_reduce_varlen.py runs it that way.
+
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
 inserted behind the kernel's back: it synchronises with mbarriers and one named barrier), and
