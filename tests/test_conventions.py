@@ -282,7 +282,7 @@ TUNE_MAINS = {  # backward scripts, main's benchmark and check at module level: 
         (192, 128),
     ),
     "flash_attention/example_gqa_bwd_tma_reduce.py": ([], (128, 128)),
-    "flash_attention/example_gqa_bwd_tma_reduce_varlen.py": ([], ()),
+    "flash_attention/example_gqa_bwd_tma_reduce_varlen.py": ([], (128,)),
 }
 
 

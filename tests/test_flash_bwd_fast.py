@@ -174,6 +174,139 @@ def test_empty_input_reads_shapes_by_layout(layout):
     assert not dk.any() and not dv.any()
 
 
+# ----------------------------------------------------------------------------- CPU: packed mode
+# flash_bwd and its prep/post with layout="thd" (packed sequences), which
+# example_gqa_bwd_tma_reduce_varlen.py runs; its tests (test_varlen.py) check the gradients.
+PACKED_LENGTHS = [
+    [17, 64, 1, 130],
+    [1, 1, 1, 1, 1],
+    [0, 5, 0, 3],
+    [4096],
+    [3, 0],
+    [0],
+    [255, 1000, 1, 0, 128, 127, 129],
+    [80, 79, 81, 160, 0, 1],
+]
+
+
+@pytest.mark.parametrize("lengths", PACKED_LENGTHS)
+@pytest.mark.parametrize("block_N", [64, 80, 128])
+def test_packed_tiles_are_each_sequences_own(lengths, block_N):
+    """tile_start: sequence b's ⌈len_b / block_N⌉ query tiles lie after the previous sequence's
+    (no tile holds rows of two sequences, zero-length and length-1 sequences included), and
+    every sequence's tiles fit below ``tile_start(total_q, B)``, the count the host allocates."""
+    mod = load_script(FAST)
+    cu = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
+    n_tiles = mod.tile_start(cu[-1], len(lengths), block_N)
+    owner = {}
+    for b, n in enumerate(lengths):
+        first = mod.tile_start(cu[b], b, block_N)
+        for t in range(first, first + math.ceil(n / block_N)):
+            assert 0 <= t < n_tiles and t not in owner, (b, t, owner.get(t))
+            owner[t] = b
+    assert n_tiles <= cu[-1] // block_N + len(lengths)
+
+
+@pytest.mark.parametrize("lengths", PACKED_LENGTHS)
+def test_lse_start_is_aligned_and_disjoint(lengths):
+    """lse_start: align 1 is FlashAttention's packed [H, total_q]; align 4 starts every
+    sequence on a 16-byte boundary without overlapping the previous one."""
+    mod = load_script(FAST)
+    cu = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
+    assert [mod.lse_start(cu[b], b, 1) for b in range(len(lengths))] == cu[:-1]
+    starts = [mod.lse_start(cu[b], b, 4) for b in range(len(lengths))]
+    assert all(s % 4 == 0 for s in starts) and starts[0] == 0
+    ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+    assert all(end <= nxt for end, nxt in zip(ends, starts[1:], strict=False))
+
+
+def _blocks_seen(Lq, Lk, bx, block_M, block_N, causal):
+    """Query blocks holding a query that sees a key of key block bx (one with a key below Lk):
+    query i sees key j iff j <= i + Lk − Lq (bottom-right causal), so it sees one of the
+    block's keys iff it sees the first, bx·block_M."""
+    return {i // block_N for i in range(Lq) if not causal or bx * block_M <= i + Lk - Lq}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_N", [64, 80, 128])
+def test_packed_query_block_range_on_runtime_lengths(causal, block_N):
+    """flash_bwd_varlen's query-block range as the kernel builds it — TIR expressions of the
+    run-time lengths and the key block (``query_block_range`` on ``Rows`` read from
+    cu_seqlens), evaluated here for each value — is exactly the query blocks with a query that
+    sees one of the key block's keys: none for a sequence without queries (n = 0, never
+    negative), every block of the sequence without ``causal``."""
+    from tvm import arith, tirx
+
+    mod = load_script(FAST)
+    block_M = 128
+    Lq, Lk, bx = (tirx.Var(name, "int32") for name in ("seq_len_q", "seq_len_k", "bx"))
+    right = 0 if causal else -1
+    edges = (-1, right, Lk - Lq + right, Lk - Lq + 1)  # what flash_bwd_varlen binds
+    q_pad = mod.padded_len(Lq, block_N)
+    exprs = mod.query_block_range(bx, block_M, block_N, q_pad, edges)
+    analyzer = arith.Analyzer()
+    lengths = [0, 1, 17, 63, 64, 65, 80, 127, 128, 129, 255, 300]
+    for lq in lengths:
+        for lk in lengths[1:]:  # a key block exists only where the sequence has keys
+            for b in range(math.ceil(lk / block_M)):
+                values = {Lq: lq, Lk: lk, bx: b}
+                q_start, n = (
+                    e
+                    if isinstance(e, int)  # q_start is 0 without causal
+                    else int(analyzer.simplify(tirx.stmt_functor.substitute(e, values)))
+                    for e in exprs
+                )
+                seen = _blocks_seen(lq, lk, b, block_M, block_N, causal)
+                where = (lq, lk, b)
+                if not seen:
+                    assert n == 0, where
+                else:
+                    assert (q_start, n) == (min(seen), max(seen) - min(seen) + 1), where
+
+
+def build_packed(mod, D, causal, groups=1, dtype="float16", **cfg):
+    import harness
+
+    cfg = cfg or mod.default_config(D)
+    args = (None, 32, None, None, D, causal, 1 / math.sqrt(D), dtype)
+    return harness.compile_for(
+        mod.flash_bwd, "sm_90a", *args, **cfg, groups=groups, layout="thd"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dim,causal,groups", [(128, False, 1), (128, True, 4), (64, False, 4), (64, True, 1)]
+)
+def test_packed_no_spills_and_fits_shared_memory(dim, causal, groups):
+    """The packed kernel (run-time lengths and offsets, the early exit) keeps the dense one's
+    promises: ptxas spills nothing, the register split fits, the WGMMA pipeline is not
+    serialized, shared memory fits an H100 thread block; and it is the same schedule."""
+    import harness
+
+    mod = load_script(FAST)
+    kernel = build_packed(mod, dim, causal, groups)
+    src = kernel.get_kernel_source()
+    assert "flash_bwd_varlen_kernel" in src and "__launch_bounds__(384, 1)" in src
+    assert src.count("wait_wgmma<1>") == 2 * 3 and src.count("wgmma_rs") == 2 * 2
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    launch = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert mod.PRODUCER_REGS * 128 + mod.CONSUMER_REGS * 256 <= launch * 384
+    assert "Potential Performance Loss" not in report, report
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+
+
+def test_packed_tune_space_fits_shared_memory():
+    """Every ``--tune`` configuration at D=128 builds in the packed mode too and fits."""
+    import harness
+
+    mod = load_script(FAST)
+    for cfg in mod.tune_configs(128):
+        kernel = build_packed(mod, 128, True, 4, **cfg)
+        assert harness.dynamic_smem_bytes(kernel) <= SMEM_LIMIT - 1024, cfg
+
+
 # ----------------------------------------------------------------------------- GPU
 def make_inputs(B, Sq, Sk, H, D, dtype, scale=1.0):
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq * 7 + Sk + D)

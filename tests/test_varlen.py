@@ -4,6 +4,7 @@ padded batch (through bert_padding, with gradients), cu_seqlens validation, comm
 sm_90a builds (CPU); forward and gradient matrices on a GPU (marker ``gpu``)."""
 
 import functools
+import itertools
 import math
 import re
 
@@ -20,7 +21,9 @@ SCRIPTS = [MHA_FWD, GQA_FWD, GQA_BWD]
 DENSE = {  # the dense script each varlen script must agree with on equal lengths
     MHA_FWD: "flash_attention/example_mha_fwd_bshd.py",
     GQA_FWD: "flash_attention/example_gqa_fwd_bshd.py",
-    GQA_BWD: "flash_attention/example_gqa_bwd_tma_reduce.py",
+    # the same forward kernel (example_gqa_fwd_bshd.py's) and the same backward
+    # (example_mha_bwd_wgmma_pipelined.py's, the "group" strategy, Hopper's default)
+    GQA_BWD: "flash_attention/example_gqa_bwd.py",
 }
 
 
@@ -334,10 +337,11 @@ def test_compile_only_main_builds_for_sm90(script, argv, capsys):
     out = capsys.readouterr().out
     assert "built for sm_90a" in out
     assert re.search(r"flashattn_fwd_varlen: .*wgmma, tma", out), out
-    if script == GQA_BWD:
-        assert re.search(r"flashattn_bwd_varlen: .*wgmma, tma.*bulk-reduce, atomics", out), out
-        for name in ("preprocess", "postprocess", "postprocess_kv"):
-            assert f"flashattn_bwd_{name}:" in out
+    if script == GQA_BWD:  # the hand-scheduled backward in its packed mode: no atomics
+        line = re.search(r"flash_bwd_varlen: .*", out).group(0)
+        assert re.search(r"wgmma, tma.*bulk-reduce", line) and "atomics" not in line, out
+        for name in ("flash_bwd_prep", "flash_bwd_post"):
+            assert f"{name}:" in out
 
 
 @functools.cache
@@ -450,22 +454,163 @@ def test_forward_spills_nothing_and_fits(script, dim, causal):
 
 
 def test_backward_code():
-    """dQ goes out by TMA reduce-add only; dK/dV by vectorized regional atomics; lse and Delta
-    arrive by TMA, each box starting at a multiple of 4 floats (the aligned stats layout)."""
-    src = sources(GQA_BWD, 128, True, "float16")["flashattn_bwd_varlen"]
-    assert re.search(r"tl::tma_store_add\(dQ_desc,", src)
-    assert not re.search(r"AtomicAdd\w*\(\(?&\(?dQ\[", src)
-    # from registers: each thread holds pairs of neighbouring columns → two-float atomics
-    assert set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?dK\[", src)) == {"AtomicAddx2"}
-    assert set(re.findall(r"\b(AtomicAdd\w*)\(\(?&\(?dV\[", src)) == {"AtomicAddx2"}
-    for tensor in ("Q", "K", "V", "dO", "lse", "Delta"):
+    """The packed backward (example_mha_bwd_wgmma_pipelined.py's flash_bwd, layout "thd"): a
+    thread block past its sequence's keys leaves before any load; the others put their
+    sequence's offsets and lengths in shared memory (``info``: first query row, first key row,
+    key count, Sk − Sq) and read them there. Q, K, V, dO, lse2 and Delta arrive by TMA, K/V at
+    the sequence's first key row, Q/dO at its first query row, lse2 and Delta as whole rows of
+    the sequence's own tiles (innermost coordinate 0, the tile ``q_offset // 64 + b + k``); dQ
+    goes out by one bulk reduce-add a step, dK/dV by 16-byte row stores of the sequence's keys
+    only; no atomics anywhere."""
+    src = sources(GQA_BWD, 128, True, "float16")["flash_bwd_varlen"]
+    first_load = src.index("tma_load(")
+    exit_test = re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_k\) \{", src)
+    assert exit_test and exit_test.start() < first_load
+    table = src[exit_test.end() : first_load]
+    assert "info[1] = cu_seqlens_k[" in table and "__syncthreads();" in table
+    for tensor in ("Q", "K", "V", "dO", "lse2", "Delta"):
         assert f"tl::tma_load({tensor}_desc" in src, tensor
-    for tensor in ("lse", "Delta"):  # innermost coordinate: k * 64 + ⌊(q_offset + 3b) / 4⌋ * 4
+    for tensor, row in (("K", 1), ("V", 1), ("Q", 0), ("dO", 0)):
         load = re.search(rf"tl::tma_load\({tensor}_desc, [^;]*;", src).group(0)
-        assert re.search(r"\(\w+ \* 64\) \+ \(\(\(+.*\) >> 2\) \* 4\)\)", load), load
+        assert f"+ info[{row}])" in load, load
+    for tensor in ("lse2", "Delta"):
+        load = re.search(rf"tl::tma_load\({tensor}_desc, [^;]*;", src).group(0)
+        assert re.search(r"\]\)\), 0, \(+info\[0\] >> 6\) \+ \(\(int\)blockIdx\.z\)\)", load)
+    assert re.search(
+        r"tma_store_add\(\(&\(\(\(float\*\)dq_shared\)\[[^]]*\]\)\), \(&\(dQ_accum\[", src
+    )
+    for tensor in ("dK", "dV"):
+        assert re.search(rf"< info\[2\]\) \{{[^}}]*\*\(uint4\*\)\({tensor} \+", src), tensor
+    assert "atomic" not in src.lower()
     signature = src[: src.index("{")]
-    for arg in ("int batch", "int max_seqlen_k", "int total_k"):
+    for arg in ("int batch", "int max_seqlen_k", "int total_k", "int n_tiles"):
         assert arg in signature, arg
+
+
+def emulate_packed_backward(q, k, v, dout, out, lse, cu_q, cu_k, causal, scale, block_N):
+    """The packed backward on the CPU in float64, indexed as its three kernels index (the
+    layout, not the arithmetic order): the preprocess fills each sequence's padded tiles of
+    lse2 and delta from the forward's aligned lse (tiles between sequences stay NaN: reading
+    one shows); each key block of a sequence walks ``query_block_range`` on its run-time
+    lengths, loads Q/dO/K/V boxes at the sequence's packed offsets (rows of the next sequence
+    included; past the end, zeros), masks only keys past the sequence's end and outside the
+    causal diagonal, and reduce-adds whole dQ tiles into the sequence's tiles; the
+    postprocess writes each tile's rows inside the sequence. dK/dV start as NaN: a key row
+    no thread block writes shows."""
+    fast = load_script(GQA_BWD).fast_bwd
+    mod = load_script(GQA_BWD)
+    block_M, log2e = 128, 1 / math.log(2)
+    total_q, H, D = q.shape
+    Hkv = k.shape[1]
+    groups, B = H // Hkv, len(cu_q) - 1
+    n_tiles = fast.tile_start(total_q, B, block_N)
+    nan = float("nan")
+    lse2 = torch.full((H, n_tiles, block_N), nan, dtype=torch.float64)
+    delta = torch.full((H, n_tiles, block_N), nan, dtype=torch.float64)
+    row_delta = (out * dout).sum(-1).T  # [H, total_q]
+
+    def box(x, start, n):  # TMA: rows start … start + n − 1, zeros past the tensor's end
+        rows = x[start : start + n]
+        return torch.cat([rows, rows.new_zeros(n - rows.shape[0], *rows.shape[1:])])
+
+    for b in range(B):
+        q0, Lq = cu_q[b], cu_q[b + 1] - cu_q[b]
+        t0, l0 = fast.tile_start(q0, b, block_N), mod.stats_start(q0, b)
+        for t in range(math.ceil(Lq / block_N)):
+            for i in range(block_N):
+                row = t * block_N + i
+                real = row < Lq
+                delta[:, t0 + t, i] = row_delta[:, q0 + row] if real else 0.0
+                lse2[:, t0 + t, i] = lse[:, l0 + row] * log2e if real else math.inf
+
+    dq_accum = torch.zeros(H, n_tiles, block_N, D, dtype=torch.float64)
+    dk, dv = torch.full_like(k, nan), torch.full_like(v, nan)
+    right = 0 if causal else -1
+    for b in range(B):
+        q0, k0 = cu_q[b], cu_k[b]
+        Lq, Lk = cu_q[b + 1] - q0, cu_k[b + 1] - k0
+        t0 = fast.tile_start(q0, b, block_N)
+        hi = Lk - Lq + right
+        key_blocks = math.ceil(
+            max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False)) / block_M
+        )  # the grid
+        for by, bx in itertools.product(range(Hkv), range(key_blocks)):
+            if bx * block_M >= Lk:
+                continue  # the early exit
+            edges = (-1, right, hi, Lk - Lq + 1)
+            q_start, n = (
+                int(x)
+                for x in fast.query_block_range(
+                    bx, block_M, block_N, fast.padded_len(Lq, block_N), edges
+                )
+            )
+            keys = torch.arange(bx * block_M, (bx + 1) * block_M)
+            kb, vb = (
+                box(k[:, by], k0 + bx * block_M, block_M),
+                box(v[:, by], k0 + bx * block_M, block_M),
+            )
+            dk_t, dv_t = (
+                torch.zeros(block_M, D, dtype=torch.float64),
+                torch.zeros(block_M, D, dtype=torch.float64),
+            )
+            for h in range(by * groups, (by + 1) * groups):
+                for kq in range(q_start, q_start + n):
+                    qb = box(q[:, h], q0 + kq * block_N, block_N)
+                    dob = box(dout[:, h], q0 + kq * block_N, block_N)
+                    logit = (
+                        kb @ qb.T * scale * log2e - lse2[h, t0 + kq][None, :]
+                    )  # Pᵀ [keys, queries]
+                    visible = (keys < Lk)[:, None].expand(-1, block_N)
+                    if causal:
+                        cols = kq * block_N + torch.arange(block_N)
+                        visible = visible & (keys[:, None] <= cols[None, :] + hi)
+                    p = torch.exp2(logit.masked_fill(~visible, -math.inf))
+                    ds = p * (vb @ dob.T - delta[h, t0 + kq][None, :])
+                    dv_t += p @ dob
+                    dk_t += ds @ qb
+                    dq_accum[h, t0 + kq] += ds.T @ kb
+            rows = min(block_M, Lk - bx * block_M)
+            dk[k0 + bx * block_M : k0 + bx * block_M + rows, by] = dk_t[:rows] * scale
+            dv[k0 + bx * block_M : k0 + bx * block_M + rows, by] = dv_t[:rows]
+
+    dq = torch.full_like(q, nan)
+    for b in range(B):
+        q0, Lq = cu_q[b], cu_q[b + 1] - cu_q[b]
+        t0 = fast.tile_start(q0, b, block_N)
+        for t in range(math.ceil(Lq / block_N)):
+            rows = min(block_N, Lq - t * block_N)
+            dq[q0 + t * block_N : q0 + t * block_N + rows] = (
+                dq_accum[:, t0 + t, :rows].transpose(0, 1) * scale
+            )
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_N", [64, 80, 128])
+def test_packed_backward_layout_gives_reference_gradients(causal, block_N):
+    """emulate_packed_backward (the packed kernels' indexing, in float64) equals autograd
+    through ref_program: padding rows add nothing, boxes that run into the next sequence
+    change nothing, sequences without queries get dK = dV = 0, rows without keys dQ = 0, and
+    every gradient row is written (no NaN)."""
+    mod = load_script(GQA_BWD)
+    lens_q = [1, 0, 130, 17, 64, 200, 0]
+    lens_k = [140, 3, 9, 0, 64, 300, 20]
+    H, Hkv, D, scale = 4, 2, 8, 0.3
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, H, Hkv, D)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = mod.ref_program(*leaves, cu_q, cu_k, max_q, max_k, causal, scale, return_lse=True)
+    want = torch.autograd.grad(out, leaves, dout)
+    stats = torch.full((H, mod.stats_len(q.shape[0], len(lens_q))), math.nan, dtype=torch.float64)
+    bounds = cu_q.tolist()
+    for b in range(len(lens_q)):  # the forward's aligned layout; the gaps stay NaN
+        start = mod.stats_start(bounds[b], b)
+        stats[:, start : start + lens_q[b]] = lse[:, bounds[b] : bounds[b + 1]]
+    got = emulate_packed_backward(
+        q, k, v, dout, out.detach(), stats, bounds, cu_k.tolist(), causal, scale, block_N
+    )
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -695,12 +840,15 @@ def test_main_small(script, extra, capsys):
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_backward_fits_hopper_shared_memory(dim):
-    """The H100 refused a 312320-byte launch of an earlier version of this kernel: check the
-    dynamic shared memory of the compiled launch against the 227 KB per-block limit."""
+    """The H100 refused a 312320-byte launch of an earlier version of this script's backward:
+    check the dynamic shared memory of the compiled launch against the 227 KB per-block
+    limit."""
     import harness
 
     mod = load_script(GQA_BWD)
-    cfg = mod.default_config("sm_90a")
-    args = (8, 2, dim, True, dim**-0.5, "float16")
-    kernel = harness.compile_for(mod.flashattn_bwd_varlen, "sm_90a", *args, **cfg)
+    cfg = mod.default_config(dim, "sm_90a")
+    args = (None, 8, None, None, dim, True, dim**-0.5, "float16")
+    kernel = harness.compile_for(
+        mod.fast_bwd.flash_bwd, "sm_90a", *args, **cfg, groups=4, layout="thd"
+    )  # fmt: skip
     assert harness.dynamic_smem_bytes(kernel) <= 232448

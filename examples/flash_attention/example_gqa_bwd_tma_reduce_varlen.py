@@ -8,41 +8,48 @@ differ per sequence; ``bert_padding.unpad_input`` / ``pad_input`` get a padded b
 attention mask into this form and back, and gradients flow through both.
 
 The forward is example_gqa_fwd_varlen.py's kernel; it also writes the row log-sum-exp ``lse``
-for the backward. The backward is example_gqa_bwd_tma_reduce.py's three steps made ragged:
+for the backward. The backward is example_mha_bwd_wgmma_pipelined.py's hand-scheduled Hopper
+backward (FlashAttention-3's schedule; read that script first), imported from beside this file
+and run in its packed mode (``layout="thd"``). Per thread block of 128 keys of one kv head: a
+producer warpgroup whose warp 0 loads K and V once and each step's Q (with lse) and dO (with
+delta) by TMA into a ring of buffers guarded by mbarriers, and whose warp 1 adds each step's
+float32 dQ tile into a global accumulator with one TMA bulk reduce-add
+(``cp.reduce.async.bulk``), off the consumers' path; two consumer warpgroups, 64 keys each, dK
+and dV in registers, asynchronous WGMMA. The thread block walks the query blocks of every
+query head of its kv head's group, so the group's dK and dV add up in registers and leave by
+plain row stores in the input dtype: no atomics, no float32 dK/dV to convert afterwards. The
+dense example_gqa_bwd_tma_reduce.py shows the simpler form of the reduce-add, issued by the
+consumers themselves in a loop TileLang pipelines.
 
-- preprocess: ``delta = rowsum(O · dO)`` per token and head, one thread block per (query
-  block, head, sequence), written into the same aligned rows as ``lse`` (below).
-- one kernel per (query head, key block, sequence) — grid ``(H, ceil(max_seqlen_k / block_M),
-  B)`` — keeps its block's ``dk``/``dv`` in registers and walks the sequence's query blocks.
-  Blocks past the sequence's keys, and sequences without queries, leave at once.
-  - dq: each step's ``dq`` tile goes to shared memory and one TMA *reduce-add* adds it into a
-    float32 accumulator laid out ``[H, total_q, D]``, so a query block of one head is one dense
-    box at a per-sequence row offset. A box that runs past the sequence end adds exact zeros
-    into the next sequence's rows (those query columns are masked to P = 0, so their dq rows are
-    0); past ``total_q`` the TMA unit drops the rows.
-  - dk/dv: the group's query heads meet in one float32 dK/dV by a *regional* atomic, one
-    ``T.atomic_add`` of the whole tile straight from the registers that accumulated it
-    (vectorized two-float atomics: the accumulator gives each thread pairs of neighbouring
-    columns). Staging it through shared memory, as the dense script does, would give four-float
-    atomics, but here the whole kernel body sits under the early-exit test and TileLang then
-    does not reuse the Q/dO/dS buffers for the staging tiles: 312320 bytes at D=128, over the
-    227 KB limit. Key rows past the sequence end add zeros, rows past ``total_k`` are
-    bounds-checked.
-- postprocess: the float32 accumulators are cast back to ``q``'s dtype and layout.
+What packed sequences change:
 
-Every tile (Q, K, V, dO, lse, Delta) arrives by TMA at a per-sequence offset into the packed
-tensors; a box that runs past the sequence end reads the next sequence's rows, which the masks
-zero by select, never by product. For Q, K, V and dO that offset is on an outer dimension. For
-``lse`` and ``Delta`` (``[H, stats_len]`` float32 tables) it is on the innermost one, where a TMA
-box must start on a 16-byte boundary — a box starting at float 17 stops the GPU with an
-illegal instruction. So each sequence's stats start on a multiple of 4 floats: sequence ``b`` at
-``stats_start = 4·⌊(cu_seqlens_q[b] + 3b) / 4⌋``, which leaves 0-3 unused floats after each
-sequence and never overlaps the next one; ``stats_len`` (total_q + 3B rounded up to 4) also
-keeps the row stride a multiple of 16 bytes, as a tensor map needs.
+- the grid is ``(ceil(max_seqlen_k / 128), Hkv, B)``. A thread block reads its sequence's
+  offsets and lengths from ``cu_seqlens``; one whose key block lies past its sequence's keys
+  leaves at once. The causal range of query blocks is the sequence's own (aligned bottom-right:
+  query ``i`` sees key ``j`` when ``j <= i + seq_len_k - seq_len_q``); a sequence without
+  queries walks none and writes dK = dV = 0 for its keys.
+- Q, dO, K and V arrive by TMA at the sequence's packed row offset, so a box that runs past the
+  sequence's end reads the next sequence's rows (past the last token, zeros). Keys there are
+  masked (P = 0), as a dense batch masks keys past Sk. Queries there need no mask, because of
+  the layout below.
+- padded per-sequence tiles: the backward's per-query tensors — ``lse`` in log2 units,
+  ``delta = rowsum(O ∘ dO)`` and the float32 dQ accumulator — are cut into tiles of
+  ``block_N`` query rows, and sequence ``b``'s tiles start at tile ``cu_seqlens_q[b] // block_N
+  + b``, past every earlier sequence's, so a query block of a sequence is a whole tile of its
+  own. The preprocess writes ``lse`` +inf and ``delta`` 0 into each sequence's padding rows:
+  the next sequence's rows in a query box get P = 0 and dS = 0 there without a mask, and the
+  dQ reduce-add adds their exact zeros into this sequence's own padding, never into another
+  sequence. The postprocess writes each tile's rows inside its sequence back as ``dq``.
 
-``total_q``, ``total_k`` and ``B`` are dynamic dimensions (``T.dynamic``), so a new batch does
-not recompile. Causal masking is aligned bottom-right per sequence: query ``i`` sees key ``j``
-when ``j <= i + seq_len_k - seq_len_q``. Rows that see no key give out 0, lse +inf and dq 0.
+The forward writes ``lse`` as ``[H, stats_len]``: each sequence's columns start on a multiple of
+4 floats (16 bytes), sequence ``b`` at ``stats_start = 4·⌊(cu_seqlens_q[b] + 3b) / 4⌋``, which
+leaves 0-3 unused floats after each sequence and never overlaps the next one; ``stats_len``
+(total_q + 3B rounded up to 4) keeps the row stride a multiple of 16 bytes. The backward's
+preprocess reads it from there.
+
+``total_q``, ``total_k`` and ``B`` are dynamic dimensions (``T.dynamic``) and the max lengths
+kernel arguments, so a new batch does not recompile. Rows that see no key give out 0, lse +inf
+and dq 0. q, k and v share one head dim, 64 or 128.
 
 API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.md):
 
@@ -56,7 +63,7 @@ API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.m
     max_seqlen_q, max_seqlen_k: int. At least the longest query / key sequence.
     causal: bool. Apply the causal mask (aligned bottom-right, above).
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
-    config: dict. Backward tile configuration (block_M, block_N, num_stages, threads);
+    config: dict. Backward tile configuration (block_M, block_N, num_stages, dq_stages);
         default ``default_config``.
     Returns out: (total_q, nheads, headdim), differentiable (``torch.autograd``).
 
@@ -68,6 +75,7 @@ compiles a training step around it without a graph break.
 
 Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --groups 4 --causal
+    python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --tune
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --compile-only  # no GPU
 """
 
@@ -81,18 +89,23 @@ import tilelang
 import tilelang.language as T
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_mha_bwd_wgmma_pipelined as fast_bwd  # noqa: E402  (the hand-scheduled backward)
+
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA loads and reduce-adds, WGMMA)
+STATS_ALIGN = 4  # lse: each sequence's columns start on a multiple of 4 floats (16 bytes)
 
 
 def stats_start(q_offset, b):
-    """First lse/Delta column of sequence ``b`` (its first packed row is ``q_offset``):
-    ``q_offset + 3b`` rounded down to a multiple of 4 floats — 16-byte aligned, and never inside
-    the previous sequence's columns, since each sequence gets 3 floats of slack. Works on Python
+    """First lse column of sequence ``b`` (its first packed row is ``q_offset``): ``q_offset +
+    3b`` rounded down to a multiple of 4 floats — 16-byte aligned, and never inside the previous
+    sequence's columns, since each sequence gets 3 floats of slack. The backward's preprocess
+    reads lse there (``fast_bwd.lse_start`` with ``lse_align=STATS_ALIGN``). Works on Python
     ints and on TileLang expressions alike."""
-    return (q_offset + 3 * b) // 4 * 4
+    return fast_bwd.lse_start(q_offset, b, STATS_ALIGN)
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -109,15 +122,15 @@ def flashattn_fwd_varlen(
     num_stages=1,
     threads=256,
 ):
-    """example_gqa_fwd_varlen.py's kernel; lse goes into rows padded for the backward's TMA."""
+    """example_gqa_fwd_varlen.py's kernel; lse goes into the aligned stats layout
+    (``stats_start``)."""
     groups = heads // heads_kv
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
     neg_inf = -T.infinity(accum_dtype)
     # Sizes that change from batch to batch are dynamic: no recompilation for a new batch.
     total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
-    # lse rows: every sequence starts on a 16-byte boundary (see the module docstring), as the
-    # backward's TMA loads need.
+    # lse rows: every sequence starts on a 16-byte boundary (see the module docstring).
     stats_len = T.dynamic("stats_len")
 
     # The steps of one key block and the epilogue, named. T.macro is inlined: the generated CUDA
@@ -281,297 +294,6 @@ def flashattn_fwd_varlen(
     return flash_fwd_varlen
 
 
-# ----------------------------------------------------------------------------- backward kernels
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd_preprocess(heads, dim, dtype="float16", block=64):
-    """delta = Σ_d O · dO in float32 for each token and head, stored at the token's column in
-    the aligned stats layout (``Delta[h, stats_start + i]`` for row ``i`` of a sequence)."""
-    accum_dtype = "float32"
-    total_q, batch, stats_len = T.dynamic("total_q, batch, stats_len")
-
-    @T.prim_func
-    def flash_bwd_prep(
-        Output: T.Tensor([total_q, heads, dim], dtype),
-        dO: T.Tensor([total_q, heads, dim], dtype),
-        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
-        max_seqlen_q: T.int32,
-        Delta: T.Tensor([heads, stats_len], accum_dtype),
-    ):
-        with T.Kernel(T.ceildiv(max_seqlen_q, block), heads, batch, threads=128) as (bx, by, bz):
-            o = T.alloc_fragment([block, dim], dtype)
-            do = T.alloc_fragment([block, dim], dtype)
-            acc = T.alloc_fragment([block, dim], accum_dtype)
-            delta = T.alloc_fragment([block], accum_dtype)
-            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
-            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
-            delta_start = stats_start(q_offset, bz)
-            row0 = bx * block
-            if row0 < seq_len_q:
-                # Rows past the sequence end are the next sequence's: computed, not stored.
-                T.copy(Output[q_offset + row0 : q_offset + row0 + block, by, :], o)
-                T.copy(dO[q_offset + row0 : q_offset + row0 + block, by, :], do)
-                for i, j in T.Parallel(block, dim):
-                    acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
-                T.reduce_sum(acc, delta, dim=1)
-                for i in T.Parallel(block):
-                    if row0 + i < seq_len_q:
-                        Delta[by, delta_start + row0 + i] = delta[i]
-
-    return flash_bwd_prep
-
-
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd_varlen(
-    heads,
-    heads_kv,
-    dim,
-    causal,
-    softmax_scale,
-    dtype="float16",
-    block_M=128,
-    block_N=64,
-    num_stages=2,
-    threads=256,
-):
-    """Gradients into float32 accumulators: dQ ``[H, total_q, D]`` by TMA reduce-add, dK/dV
-    (``[total_k, Hkv, D]``, shared by the group's query heads) by regional atomics.
-
-    Everything is computed transposed, keys along M, so that dk and dv are plain GEMM
-    accumulators: ``acc_s = K Qᵀ`` [block_M keys × block_N queries] becomes the probabilities
-    ``Pᵀ = exp(acc_s·scale − lse)``; ``acc_dp = V dOᵀ`` (= dPᵀ); ``dv += Pᵀ dO``;
-    ``ds = Pᵀ ⊙ (acc_dp − delta)·scale`` (= dSᵀ); ``dk += ds Q``; ``dq = dsᵀ K``.
-    """
-    groups = heads // heads_kv
-    accum_dtype = "float32"
-    scale = softmax_scale * LOG2E
-    total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
-    stats_len = T.dynamic("stats_len")  # lse/Delta rows in the aligned layout (docstring)
-
-    # The steps of one query block and the epilogue, named. T.macro is inlined: the generated
-    # CUDA is the same as with the steps written out in the loop.
-    @T.macro
-    def scores(K_shared, Q_shared, acc_s):
-        # Sᵀ = K Qᵀ of one query block.
-        T.gemm(
-            K_shared,
-            Q_shared,
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
-
-    @T.macro
-    def probabilities(
-        k, key0, key_tail, first_unmasked, seq_len_q, seq_len_k, offset, lse_shared, acc_s
-    ):
-        # Pᵀ = exp2(Sᵀ·scale − lse·log2 e); lse = +inf (a row with no key) gives 0 and so dq = 0.
-        for i, j in T.Parallel(block_M, block_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[j] * LOG2E)
-        # Columns past seq_len_q are the next sequence's queries (their stats columns may be
-        # the unwritten gap after this sequence) and rows past seq_len_k its keys: a select
-        # (not a product) zeroes them, whatever exp2 gave there, NaN included.
-        if key_tail or k < first_unmasked or (k + 1) * block_N > seq_len_q:
-            for i, j in T.Parallel(block_M, block_N):
-                key = key0 + i
-                query = k * block_N + j
-                visible = key < seq_len_k and query < seq_len_q
-                if causal:
-                    visible = visible and key <= query + offset
-                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], 0)
-
-    @T.macro
-    def dp(V_shared, dO_shared, acc_dp):
-        # dPᵀ = V dOᵀ.
-        T.gemm(
-            V_shared,
-            dO_shared,
-            acc_dp,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
-
-    @T.macro
-    def dv_update(acc_s, acc_s_cast, dO_shared, dv):
-        # dV += Pᵀ dO, Pᵀ straight from registers.
-        T.copy(acc_s, acc_s_cast)
-        T.gemm(acc_s_cast, dO_shared, dv, policy=T.GemmWarpPolicy.FullRow)
-
-    @T.macro
-    def ds(acc_s, acc_dp, delta_shared, ds_cast):
-        # dSᵀ = Pᵀ ∘ (dPᵀ − delta), times the softmax scale that dQ and dK both carry.
-        for i, j in T.Parallel(block_M, block_N):
-            ds_cast[i, j] = acc_s[i, j] * (acc_dp[i, j] - delta_shared[j]) * softmax_scale
-
-    @T.macro
-    def dk_update(ds_cast, Q_shared, dk):
-        # dK += dSᵀ Q.
-        T.gemm(ds_cast, Q_shared, dk, policy=T.GemmWarpPolicy.FullRow)
-
-    @T.macro
-    def dq_accumulate(q0, by, ds_cast, ds_shared, K_shared, dq, dq_shared, dQ):
-        # dQ (this key block's share) = dS K: dSᵀ goes through shared memory to be read
-        # transposed, then one TMA reduce-add per tile (zeros past the sequence end, rows past
-        # total_q dropped by the TMA unit).
-        T.copy(ds_cast, ds_shared)
-        T.gemm(ds_shared, K_shared, dq, transpose_A=True, clear_accum=True)
-        T.copy(dq, dq_shared)
-        T.atomic_add(dQ[by, q0 : q0 + block_N, :], dq_shared, use_tma=True)
-
-    @T.macro
-    def epilogue(dv, dk, dV, dK, k_offset, key0, by):
-        # One regional atomic per tile, from registers (vectorized, bounds-checked rows): the
-        # group's query heads meet in the same dK/dV.
-        kv0 = k_offset + key0
-        T.atomic_add(dV[kv0 : kv0 + block_M, by // groups, :], dv)
-        T.atomic_add(dK[kv0 : kv0 + block_M, by // groups, :], dk)
-
-    @T.prim_func
-    def flash_bwd_varlen(
-        Q: T.Tensor([total_q, heads, dim], dtype),
-        K: T.Tensor([total_k, heads_kv, dim], dtype),
-        V: T.Tensor([total_k, heads_kv, dim], dtype),
-        dO: T.Tensor([total_q, heads, dim], dtype),
-        lse: T.Tensor([heads, stats_len], accum_dtype),
-        Delta: T.Tensor([heads, stats_len], accum_dtype),
-        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
-        cu_seqlens_k: T.Tensor([batch + 1], "int32"),
-        max_seqlen_k: T.int32,
-        dQ: T.Tensor([heads, total_q, dim], accum_dtype),
-        dK: T.Tensor([total_k, heads_kv, dim], accum_dtype),
-        dV: T.Tensor([total_k, heads_kv, dim], accum_dtype),
-    ):
-        # The head is the fastest-varying grid dimension (blockIdx.x): a group's query heads,
-        # which read the same K/V block and add into the same dK/dV, run side by side and share
-        # it in L2. The names keep their meaning: bx the key block, by the head, bz the sequence.
-        with T.Kernel(heads, T.ceildiv(max_seqlen_k, block_M), batch, threads=threads) as (
-            by,
-            bx,
-            bz,
-        ):
-            K_shared = T.alloc_shared([block_M, dim], dtype)
-            V_shared = T.alloc_shared([block_M, dim], dtype)
-            Q_shared = T.alloc_shared([block_N, dim], dtype)
-            dO_shared = T.alloc_shared([block_N, dim], dtype)
-            lse_shared = T.alloc_shared([block_N], accum_dtype)
-            delta_shared = T.alloc_shared([block_N], accum_dtype)
-            ds_shared = T.alloc_shared([block_M, block_N], dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
-            ds_cast = T.alloc_fragment([block_M, block_N], dtype)
-            dq = T.alloc_fragment([block_N, dim], accum_dtype)
-            dq_shared = T.alloc_shared([block_N, dim], accum_dtype)
-            dk = T.alloc_fragment([block_M, dim], accum_dtype)
-            dv = T.alloc_fragment([block_M, dim], accum_dtype)
-
-            key0 = bx * block_M  # first key of this block, within the sequence
-            # Key blocks past this sequence's keys, and sequences without queries (their keys'
-            # gradients stay 0), leave before any load is issued. (The lengths are read straight
-            # from cu_seqlens here: bound to names before this `if`, TileLang 0.1.15's warp
-            # specialization fails with "used before definition".)
-            if (
-                key0 < cu_seqlens_k[bz + 1] - cu_seqlens_k[bz]
-                and cu_seqlens_q[bz + 1] > cu_seqlens_q[bz]
-            ):
-                q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
-                k_offset = cu_seqlens_k[bz]  # and of its keys
-                seq_len_q = cu_seqlens_q[bz + 1] - q_offset
-                seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-                offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
-                stats0 = stats_start(q_offset, bz)  # 16-byte aligned: where TMA boxes start
-                T.copy(K[k_offset + key0 : k_offset + key0 + block_M, by // groups, :], K_shared)
-                T.copy(V[k_offset + key0 : k_offset + key0 + block_M, by // groups, :], V_shared)
-                T.clear(dk)
-                T.clear(dv)
-
-                # Query blocks that see at least one of this block's keys; a query block needs
-                # a mask when it crosses seq_len_q, when this key block crosses seq_len_k, or
-                # (causal) when some of its queries precede some of the keys (query i sees key
-                # j iff i >= j - offset).
-                q_start = 0
-                if causal:
-                    q_start = T.max(0, key0 - offset) // block_N
-                q_end = T.ceildiv(seq_len_q, block_N)
-                # From this query block on, every query sees every key of the block.
-                first_unmasked = q_start
-                if causal:
-                    first_unmasked = T.ceildiv(T.max(0, key0 + block_M - 1 - offset), block_N)
-                key_tail = key0 + block_M > seq_len_k
-
-                # Never empty (the last query of a sequence sees every key of it), so the
-                # consumers always wait for the K/V tiles' TMA loads inside the loop.
-                for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
-                    q0 = q_offset + k * block_N  # first packed row of this query block
-                    T.copy(Q[q0 : q0 + block_N, by, :], Q_shared)
-                    scores(K_shared, Q_shared, acc_s)
-                    s0 = stats0 + k * block_N  # this query block's first stats column
-                    T.copy(lse[by, s0 : s0 + block_N], lse_shared)
-                    probabilities(
-                        k,
-                        key0,
-                        key_tail,
-                        first_unmasked,
-                        seq_len_q,
-                        seq_len_k,
-                        offset,
-                        lse_shared,
-                        acc_s,
-                    )
-                    T.copy(dO[q0 : q0 + block_N, by, :], dO_shared)
-                    dp(V_shared, dO_shared, acc_dp)
-                    dv_update(acc_s, acc_s_cast, dO_shared, dv)
-                    T.copy(Delta[by, s0 : s0 + block_N], delta_shared)
-                    ds(acc_s, acc_dp, delta_shared, ds_cast)
-                    dk_update(ds_cast, Q_shared, dk)
-                    dq_accumulate(q0, by, ds_cast, ds_shared, K_shared, dq, dq_shared, dQ)
-
-                epilogue(dv, dk, dV, dK, k_offset, key0, by)
-
-    return flash_bwd_varlen
-
-
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd_postprocess(heads, dim, dtype="float16", block=64):
-    """dQ: float32 ``[H, total_q, D]`` (the TMA-reduce layout) → fp16/bf16 ``[total_q, H, D]``."""
-    accum_dtype = "float32"
-    total_q = T.dynamic("total_q")
-
-    @T.prim_func
-    def flash_bwd_post(
-        dQ: T.Tensor([heads, total_q, dim], accum_dtype),
-        dQ_out: T.Tensor([total_q, heads, dim], dtype),
-    ):
-        with T.Kernel(T.ceildiv(total_q, block), heads, threads=128) as (bx, by):
-            T.copy(
-                dQ[by, bx * block : (bx + 1) * block, :],
-                dQ_out[bx * block : (bx + 1) * block, by, :],
-            )
-
-    return flash_bwd_post
-
-
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_bwd_postprocess_kv(heads_kv, dim, dtype="float16", block=64):
-    """dK or dV: float32 ``[total_k, Hkv, D]`` → fp16/bf16."""
-    accum_dtype = "float32"
-    total_k = T.dynamic("total_k")
-
-    @T.prim_func
-    def flash_bwd_post_kv(
-        dX: T.Tensor([total_k, heads_kv, dim], accum_dtype),
-        dX_out: T.Tensor([total_k, heads_kv, dim], dtype),
-    ):
-        with T.Kernel(T.ceildiv(total_k, block), heads_kv, threads=128) as (bx, by):
-            T.copy(
-                dX[bx * block : (bx + 1) * block, by, :],
-                dX_out[bx * block : (bx + 1) * block, by, :],
-            )
-
-    return flash_bwd_post_kv
-
-
 # ----------------------------------------------------------------------------- configurations
 def forward_config(dim, arch="sm_90a"):
     """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_varlen.py)."""
@@ -582,24 +304,17 @@ def forward_config(dim, arch="sm_90a"):
     return dict(block_M=128, block_N=128, num_stages=1, threads=256)
 
 
-def default_config(arch="sm_90a"):
-    """Backward tiles: block_M keys per thread block, block_N queries per step — the dense
-    TMA-reduce backward's (example_gqa_bwd_tma_reduce.py, measured on an H100: 128×64 with two
-    consumer warpgroups, each holding 64 keys' dk and dv in registers), for both head dims,
+def default_config(dim, arch="sm_90a"):
+    """Backward tiles: example_mha_bwd_wgmma_pipelined.py's (``block_M`` keys a thread block,
+    two consumer warpgroups of 64; ``block_N`` queries a step, also the padded tiles' rows;
+    ``num_stages`` Q/dO buffers; ``dq_stages`` dQ tiles in shared memory), for both head dims,
     causal or not."""
-    if not arch.startswith("sm_90"):
-        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
-    return dict(block_M=128, block_N=64, num_stages=2, threads=256)
+    return fast_bwd.default_config(dim, arch)
 
 
-def tune_configs():
-    """The space ``--tune`` compares."""
-    return [
-        dict(block_M=128, block_N=64, num_stages=2, threads=256),
-        dict(block_M=128, block_N=32, num_stages=2, threads=256),
-        dict(block_M=64, block_N=64, num_stages=2, threads=128),
-        dict(block_M=64, block_N=32, num_stages=2, threads=128),
-    ]
+def tune_configs(dim):
+    """The space ``--tune`` compares: the fast backward's."""
+    return fast_bwd.tune_configs(dim)
 
 
 # ----------------------------------------------------------------------------- torch-facing
@@ -613,7 +328,7 @@ def dtype_name(t):
 
 
 def stats_len(total_q, batch):
-    """Row length of lse/Delta in the aligned layout: each of the ``batch`` sequences starts on a
+    """Row length of lse in the aligned layout: each of the ``batch`` sequences starts on a
     multiple of 4 floats (up to 3 floats of gap each), rounded up to 4 floats (16 bytes, TMA's
     row-stride unit)."""
     return (total_q + 3 * batch + 3) // 4 * 4
@@ -739,33 +454,15 @@ def attention_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlens, causal, softmax_scale,
     config=None,
 ):  # fmt: skip
-    """The three backward steps; returns dq, dk, dv in the inputs' dtype."""
-    (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
-    if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dtype = dtype_name(q)
-    cfg = config or default_config(device_arch(q.device))
-    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
-
-    # Zeros first: the backward multiplies by delta, masked columns included, so the gap columns
-    # the preprocess never writes must hold no stale NaN.
+    """example_mha_bwd_wgmma_pipelined.py's three backward kernels on the packed sequences
+    (preprocess, the hand-scheduled backward, postprocess; the module docstring); returns dq,
+    dk, dv in the inputs' dtype. The sibling's plain function, not an operator (one operator
+    inside another's implementation would dispatch twice, for nothing)."""
     max_seqlen_q, max_seqlen_k = max_seqlens
-    delta = torch.zeros_like(lse)
-    flashattn_bwd_preprocess(H, D, dtype)(out, dout, cu_seqlens_q, max_seqlen_q, delta)
-
-    # Every accumulator is a sum of reduce-adds / atomic adds: it starts at zero.
-    dq_acc = torch.zeros(H, total_q, D, dtype=torch.float32, device=q.device)
-    dk_acc = torch.zeros(total_k, Hkv, D, dtype=torch.float32, device=q.device)
-    dv_acc = torch.zeros(total_k, Hkv, D, dtype=torch.float32, device=q.device)
-    kernel = flashattn_bwd_varlen(H, Hkv, D, causal, softmax_scale, dtype, **cfg)
-    kernel(
-        q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, dq_acc, dk_acc, dv_acc
-    )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    flashattn_bwd_postprocess(H, D, dtype)(dq_acc, dq)
-    flashattn_bwd_postprocess_kv(Hkv, D, dtype)(dk_acc, dk)
-    flashattn_bwd_postprocess_kv(Hkv, D, dtype)(dv_acc, dv)
-    return dq, dk, dv
+    return fast_bwd.run_backward_varlen(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        softmax_scale, config, lse_align=STATS_ALIGN,
+    )  # fmt: skip
 
 
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
@@ -773,7 +470,7 @@ def attention_backward(
 # read them run in the forward operator's real implementation, never in traced code. Its
 # autograd formula saves q, k, v, out, lse (the aligned stats layout) and both cu_seqlens, and
 # calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "threads")
+CONFIG_KEYS = fast_bwd.CONFIG_KEYS  # ("block_M", "block_N", "num_stages", "dq_stages")
 
 
 @torch.library.custom_op("tl_attn::gqa_bwd_tma_reduce_varlen_forward", mutates_args=())
@@ -1092,19 +789,21 @@ def compile_all(heads, heads_kv, dim, causal, dtype, arch, config=None):
     name → CUDA source. (total_q, total_k and the batch are dynamic: no shape needed.)"""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
-    cfg = config or default_config(arch)
+    cfg = config or default_config(dim, arch)
     attn = (heads, heads_kv, dim, causal, scale, dtype)
-    kernels = {
-        "flashattn_fwd_varlen": (flashattn_fwd_varlen, attn, forward_config(dim, arch)),
-        "flashattn_bwd_preprocess": (flashattn_bwd_preprocess, (heads, dim, dtype), {}),
-        "flashattn_bwd_varlen": (flashattn_bwd_varlen, attn, cfg),
-        "flashattn_bwd_postprocess": (flashattn_bwd_postprocess, (heads, dim, dtype), {}),
-        "flashattn_bwd_postprocess_kv": (flashattn_bwd_postprocess_kv, (heads_kv, dim, dtype), {}),
+    sources = {
+        "flashattn_fwd_varlen": harness.compile_for(
+            flashattn_fwd_varlen, arch, *attn, **forward_config(dim, arch)
+        ).get_kernel_source()
     }
-    return {
-        name: harness.compile_for(fn, arch, *args, **kw).get_kernel_source()
-        for name, (fn, args, kw) in kernels.items()
-    }
+    # The backward's kernels in their packed mode: no batch, no lengths (dynamic).
+    backward = fast_bwd.backward_kernels(
+        None, None, dim, causal, scale, dtype, cfg, heads // heads_kv, layout="thd",
+        lse_align=STATS_ALIGN,
+    )  # fmt: skip
+    for name, (fn, args, kw) in backward.items():
+        sources[name] = harness.compile_for(fn, arch, None, heads, *args, **kw).get_kernel_source()
+    return sources
 
 
 def main(argv=None):
@@ -1122,7 +821,7 @@ def main(argv=None):
 
     if args.compile_only:
         sources = compile_all(H, Hkv, D, args.causal, args.dtype, args.arch)
-        cfg = default_config(args.arch)
+        cfg = default_config(D, args.arch)
         print(f"{script}: built for {args.arch}, backward tiles {cfg} (total/batch dynamic)")
         for name, src in sources.items():
             print(harness.describe_source(name, src))
@@ -1140,7 +839,7 @@ def main(argv=None):
     config = None
     if args.tune:
         # Every tune_configs entry side by side in one report; the fastest backward is checked.
-        named = {_config_name(c): c for c in tune_configs()}
+        named = {_config_name(c): c for c in tune_configs(D)}
         rows = benchmark(*tensors, mask_q, mask_k, args.causal, scale, named)
         config = named[harness.fastest(rows["bwd"])]
         print(f"tuned: {config}")
@@ -1153,7 +852,7 @@ def main(argv=None):
 
 
 def _config_name(cfg):
-    return "varlen {block_M}x{block_N} st{num_stages} t{threads}".format(**cfg)
+    return "varlen {block_M}x{block_N}/{num_stages}st/{dq_stages}dq".format(**cfg)
 
 
 if __name__ == "__main__":

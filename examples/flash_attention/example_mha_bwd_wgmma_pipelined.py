@@ -61,6 +61,14 @@ block takes a key block of a kv head and walks the query blocks of each of the g
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
 so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way.
 
+Packed (varlen) batches — ``[total, H, D]`` tensors with ``cu_seqlens`` — need no second
+schedule either: with ``layout="thd"`` the three kernels read each sequence's offsets and lengths
+at run time (a thread block past its sequence's keys leaves at once), and lse, delta and the
+dQ accumulator are cut into per-sequence tiles of ``block_N`` rows (sequence b's from tile
+``cu_seqlens_q[b] // block_N + b``, ``tile_start``), padded like the dense rows, so a query box
+that runs into the next sequence needs no mask and its dQ rows add zeros into this sequence's
+own tile. example_gqa_bwd_tma_reduce_varlen.py runs it that way.
+
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
 inserted behind the kernel's back: it synchronises with mbarriers and one named barrier), and
@@ -103,6 +111,7 @@ import math
 import numbers
 import pathlib
 import sys
+import typing
 
 import tilelang
 import tilelang.language as T
@@ -161,8 +170,13 @@ def dq_split(dim, block_N):
 
 def seq_index(layout, b, h, s, d):
     """The index of (batch entry b, head h, position s, head-dim d) in a ``[B, S, H, D]``
-    (``layout="bshd"``) or ``[B, H, S, D]`` (``"bhsd"``) tensor: the one place the two layouts
-    differ. example_gqa_sink_bwd_bhsd.py runs these kernels on BHSD tensors."""
+    (``layout="bshd"``) or ``[B, H, S, D]`` (``"bhsd"``) tensor: the one place the layouts
+    differ. example_gqa_sink_bwd_bhsd.py runs these kernels on BHSD tensors. In the packed
+    ``[total, H, D]`` layout (``"thd"``, sequences back to back, as
+    example_gqa_bwd_tma_reduce_varlen.py runs them) ``b`` is the sequence's first packed row."""
+    if layout == "thd":
+        s = slice(b + s.start, b + s.stop) if isinstance(s, slice) else b + s
+        return (s, h, d)
     return (b, s, h, d) if layout == "bshd" else (b, h, s, d)
 
 
@@ -172,8 +186,64 @@ def seq_rows(X, layout, b, h, s0, n):
 
 
 def layout_shape(layout, batch, seq, heads, dim):
-    """The tensor's shape in ``layout``."""
+    """The tensor's shape in ``layout`` (``"thd"``: ``seq`` is the packed token count)."""
+    if layout == "thd":
+        return [seq, heads, dim]
     return list(seq_index(layout, batch, heads, seq, dim))
+
+
+def tile_start(q_offset, b, block_N):
+    """Packed layout: the first of sequence ``b``'s query tiles (``block_N`` rows each) in the
+    backward's per-tile tensors (lse2, Delta, dQ_accum), where ``q_offset`` is its first
+    packed row. Sequence b needs ⌈len_b / block_N⌉ tiles, and ``q_offset // block_N + b``
+    leaves room for them: the next sequence starts at ``(q_offset + len_b) // block_N + b + 1
+    >= q_offset // block_N + len_b // block_N + 1 + b``. So each sequence's blocks are whole
+    tiles of their own (a query block never shares a tile with another sequence), and
+    ``tile_start(total_q, B, block_N)`` tiles hold them all. Works on Python ints and on
+    TileLang expressions alike."""
+    return q_offset // block_N + b
+
+
+def lse_start(q_offset, b, lse_align):
+    """Packed layout: the column of sequence ``b``'s first row in the forward's ``lse [H, n]``
+    when each sequence starts on a multiple of ``lse_align`` columns, the next multiple at or
+    after ``q_offset`` counting ``lse_align − 1`` columns of slack per earlier sequence (1:
+    FlashAttention's ``[H, total_q]``; example_gqa_bwd_tma_reduce_varlen.py's forward aligns
+    to 4 floats)."""
+    return (q_offset + (lse_align - 1) * b) // lse_align * lse_align
+
+
+def stats_tile(X, layout, b, h, k, n):
+    """Query block ``k``'s ``n`` rows of lse2 or Delta: ``X [B, H, S_pad]`` with ``b`` the batch
+    entry, or (``"thd"``) ``X [H, tiles, n]`` with ``b`` the sequence's first tile."""
+    if layout == "thd":
+        return X[h, b + k, :]
+    return X[b, h, k * n : (k + 1) * n]
+
+
+def dq_tile_index(layout, b, h, k):
+    """Where query block ``k``'s dQᵀ tile starts in ``dQ_accum``: ``[B, H, blocks, tile]`` with
+    ``b`` the batch entry, or (``"thd"``) ``[tiles, H, tile]`` with ``b`` the first tile (tile
+    major: the address is then a run-time tile count times a constant, cheap in 64 bits)."""
+    return (b + k, h, 0) if layout == "thd" else (b, h, k, 0)
+
+
+class Rows(typing.NamedTuple):
+    """Where a backward thread block's sequence lives, as ``flash_bwd``'s steps index it:
+    ``q_row``/``k_row`` the ``b`` of ``seq_index`` for Q and dO / K, V, dK and dV (the batch
+    entry; packed: the sequence's first query / key row), ``tile`` the ``b`` of ``stats_tile``
+    and ``dq_tile_index`` (the batch entry; packed: the sequence's first tile), ``q_pad`` its
+    queries padded to whole query blocks, ``kv_len`` its keys and ``hi``, ``lo`` its window's
+    diagonals (``query_block_range``). Dense: Python ints but ``bz``; packed: values known at
+    run time only, which flash_bwd_varlen reads from ``cu_seqlens``."""
+
+    q_row: object
+    k_row: object
+    tile: object
+    q_pad: object
+    kv_len: object
+    hi: object
+    lo: object
 
 
 def query_block_range(bx, block_M, block_N, seq_q_pad, window_edges):
@@ -205,10 +275,19 @@ def padded_len(seq_q, block_N):
 
 # ----------------------------------------------------------------------------- backward kernels
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64, layout="bshd"):
+def flash_bwd_prep(
+    batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64, layout="bshd", lse_align=1
+):
     """delta = Σ_d O ∘ dO and lse2 = lse · log2 e per query row, padded to ``seq_q_pad`` rows
-    (padding: delta 0, lse2 +inf)."""
+    (padding: delta 0, lse2 +inf).
+
+    ``layout="thd"``: packed sequences (``batch``, ``seq_q``, ``seq_q_pad`` are None: the sizes
+    are dynamic), one thread block per query tile of ``block`` (the backward's ``block_N``)
+    rows, written at the sequence's tiles (``tile_start``), each padded like the dense rows;
+    ``lse`` is the forward's ``[H, n]``, each sequence at ``lse_start(…, lse_align)``."""
     accum_dtype = "float32"
+    if layout == "thd":
+        return _flash_bwd_prep_packed(heads, dim, dtype, block, lse_align)
     shape = layout_shape(layout, batch, seq_q, heads, dim)
 
     @T.prim_func
@@ -239,6 +318,53 @@ def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=6
                 else:
                     Delta[bz, by, row] = 0
                     lse2[bz, by, row] = T.infinity(accum_dtype)
+
+    return flash_bwd_prep
+
+
+def _flash_bwd_prep_packed(heads, dim, dtype, block, lse_align):
+    """flash_bwd_prep's ``"thd"`` kernel (see there)."""
+    accum_dtype = "float32"
+    total_q, batch, n_tiles, lse_len = T.dynamic("total_q, batch, n_tiles, lse_len")
+
+    @T.prim_func
+    def flash_bwd_prep(
+        Output: T.Tensor([total_q, heads, dim], dtype),
+        dO: T.Tensor([total_q, heads, dim], dtype),
+        lse: T.Tensor([heads, lse_len], accum_dtype),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        max_seqlen_q: T.int32,
+        Delta: T.Tensor([heads, n_tiles, block], accum_dtype),
+        lse2: T.Tensor([heads, n_tiles, block], accum_dtype),
+    ):
+        with T.Kernel(T.ceildiv(max_seqlen_q, block), heads, batch, threads=128) as (bx, by, bz):
+            out_frag = T.alloc_fragment([block, dim], dtype)
+            dout_frag = T.alloc_fragment([block, dim], dtype)
+            prod = T.alloc_fragment([block, dim], accum_dtype)
+            delta = T.alloc_fragment([block], accum_dtype)
+            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+            if bx * block < seq_len_q:  # blocks past the sequence's end have no tile
+                # Rows past the sequence's end are the next sequence's: computed, not stored.
+                T.copy(
+                    Output[q_offset + bx * block : q_offset + bx * block + block, by, :], out_frag
+                )
+                T.copy(dO[q_offset + bx * block : q_offset + bx * block + block, by, :], dout_frag)
+                for i, j in T.Parallel(block, dim):
+                    prod[i, j] = T.cast(out_frag[i, j], accum_dtype) * T.cast(
+                        dout_frag[i, j], accum_dtype
+                    )
+                T.reduce_sum(prod, delta, dim=1)
+                tile = tile_start(q_offset, bz, block) + bx
+                lse0 = lse_start(q_offset, bz, lse_align)
+                for i in T.Parallel(block):
+                    row = bx * block + i
+                    if row < seq_len_q:
+                        Delta[by, tile, i] = delta[i]
+                        lse2[by, tile, i] = lse[by, lse0 + row] * LOG2E
+                    else:
+                        Delta[by, tile, i] = 0
+                        lse2[by, tile, i] = T.infinity(accum_dtype)
 
     return flash_bwd_prep
 
@@ -277,20 +403,33 @@ def flash_bwd(
     ``acc_dp`` holds dPᵀ then dSᵀ, and dQ is computed transposed too (``dq`` holds dQᵀ = Kᵀ dSᵀ).
     dK is scaled by ``softmax_scale`` once at the end; dQ leaves unscaled (the postprocess
     scales it).
+
+    ``layout="thd"``: packed sequences (example_gqa_bwd_tma_reduce_varlen.py), the kernel
+    ``flash_bwd_varlen``; ``batch``, ``seq_q`` and ``seq_kv`` are None, since the token counts,
+    the batch and the longest sequence are kernel arguments (one build serves every batch).
+    One thread block per (key block, kv head, sequence) of a grid sized for ``max_seqlen_k``:
+    it reads its sequence's offsets and lengths from ``cu_seqlens_q/k`` and leaves at once when
+    its key block lies past the sequence's keys. Otherwise the schedule is the same, at the
+    sequence's rows: K, V, Q and dO by TMA at its packed offsets, lse2, Delta and the dQᵀ tiles
+    at its own padded tiles (``tile_start``), so a query box that runs into the next sequence
+    reads rows whose lse2 is +inf (P = 0, dS = 0: they add exact zeros into this sequence's
+    tile) and a key box that does is masked like the keys past Sk of a dense batch. A sequence
+    without queries walks no query block and writes dK = dV = 0 for its keys.
     """
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
-    offset = seq_kv - seq_q  # bottom-right causal alignment
+    packed = layout == "thd"
     left, right = window
     if causal:
         right = 0
-    # Query i sees key j iff j <= i + hi (right >= 0) and j >= i + lo (left >= 0).
-    hi, lo = offset + right, offset - left
-    window_edges = (left, right, hi, lo)
-    seq_q_pad = padded_len(seq_q, block_N)
-    q_shape = layout_shape(layout, batch, seq_q, heads, dim)
     heads_kv = heads // groups
-    kv_shape = layout_shape(layout, batch, seq_kv, heads_kv, dim)
+    if not packed:
+        offset = seq_kv - seq_q  # bottom-right causal alignment
+        # Query i sees key j iff j <= i + hi (right >= 0) and j >= i + lo (left >= 0).
+        hi, lo = offset + right, offset - left
+        seq_q_pad = padded_len(seq_q, block_N)
+        q_shape = layout_shape(layout, batch, seq_q, heads, dim)
+        kv_shape = layout_shape(layout, batch, seq_kv, heads_kv, dim)
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
@@ -334,23 +473,24 @@ def flash_bwd(
         )
 
     @T.macro
-    def probabilities(wg, k, bx, stage, acc_s, lse_shared):
+    def probabilities(wg, k, bx, stage, acc_s, lse_shared, seq):
         # Pᵀ = exp2(Sᵀ·scale − lse2). Queries past Sq have lse2 = +inf (P = 0) and need no
-        # mask; keys past Sk (the last key block) and keys outside the query's window do.
+        # mask; keys past Sk (the last key block; packed: the next sequence's) and keys
+        # outside the query's window do.
         first_key = bx * block_M + wg * wg_keys
-        needs_mask = first_key + wg_keys > seq_kv
+        needs_mask = first_key + wg_keys > seq.kv_len
         if right >= 0:
-            needs_mask = needs_mask or k * block_N + hi < first_key + wg_keys - 1
+            needs_mask = needs_mask or k * block_N + seq.hi < first_key + wg_keys - 1
         if left >= 0:
-            needs_mask = needs_mask or first_key < k * block_N + block_N - 1 + lo
+            needs_mask = needs_mask or first_key < k * block_N + block_N - 1 + seq.lo
         if needs_mask:
             for i, j in T.Parallel(wg_keys, block_N):
                 key = first_key + i
-                visible = key < seq_kv
+                visible = key < seq.kv_len
                 if right >= 0:
-                    visible = visible and key <= k * block_N + j + hi
+                    visible = visible and key <= k * block_N + j + seq.hi
                 if left >= 0:
-                    visible = visible and key >= k * block_N + j + lo
+                    visible = visible and key >= k * block_N + j + seq.lo
                 # A select on the exponent, not on exp2's result: written that way the
                 # compiler keeps it branch-free, and branches here make ptxas serialize the
                 # WGMMA still running (dPᵀ) with this loop.
@@ -411,8 +551,22 @@ def flash_bwd(
             dq_shared[slot, wg * (dq_tile // 2) + accumulator_index(r, c)] = dq[r, c]
 
     @T.macro
+    def dq_reduce(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum):
+        # Producer warp 1, step i: add the dQᵀ tile of query head h, query block k into
+        # dQ_accum. Waiting until the reduce-add has read the tile, then arriving on dq_empty,
+        # hands the buffer back.
+        slot = i % dq_stages
+        T.mbarrier_wait_parity(dq_full[slot], (i // dq_stages) & 1)
+        if tx == consumers + 32:
+            at = dq_tile_index(layout, seq.tile, h, k)
+            bulk_reduce_add(dQ_accum[at], dq_shared[slot, 0], dq_tile)
+            T.tma_store_arrive()
+            T.tma_store_wait(0)
+        T.barrier_arrive(dq_empty[slot])
+
+    @T.macro
     def consumer_warpgroup(
-        wg, bx, by, bz, q_start, n_blocks,
+        wg, bx, by, seq, q_start, n_blocks,
         K_shared, V_shared, Q_shared, dO_shared, lse_shared, delta_shared, ds_shared, dq_shared,
         kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty,
         dK, dV,
@@ -441,7 +595,7 @@ def flash_bwd(
             T.mbarrier_wait_parity(do_full[stage], phase)
             dp(r0, stage, V_shared, dO_shared, acc_dp)
             T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still run
-            probabilities(wg, k, bx, stage, acc_s, lse_shared)
+            probabilities(wg, k, bx, stage, acc_s, lse_shared, seq)
             T.wait_wgmma(0)  # dPᵀ is ready
             ds(r0, stage, ds_buf, acc_s, acc_dp, delta_shared, acc_s_cast, ds_cast, ds_shared)
             dv_update(stage, acc_s_cast, dO_shared, dv)
@@ -467,17 +621,178 @@ def flash_bwd(
         # values scattered over rows, which would fill half of every 32-byte sector it writes;
         # staged in K and V's buffers, the rows leave as 16-byte vectors. V's rows are this
         # warpgroup's alone; K's are free once both warpgroups' last dQ GEMM (it reads every
-        # row of K) is done, which the named barrier says. Keys past Sk are not written.
+        # row of K) is done, which the named barrier says. Keys past Sk (packed: the next
+        # sequence's) are not written.
         T.copy(dv, V_shared[r0 : r0 + wg_keys, :])
         T.sync_threads(DS_READY, consumers)
         T.copy(dk, K_shared[r0 : r0 + wg_keys, :])
         T.sync_threads(EPILOGUE + wg, 128)  # this warpgroup's rows are all in shared memory
         first_key = bx * block_M + wg * wg_keys
         for r, c in T.Parallel(wg_keys, dim):
-            if first_key + r < seq_kv:
-                at = seq_index(layout, bz, by, first_key + r, c)
+            if first_key + r < seq.kv_len:
+                at = seq_index(layout, seq.k_row, by, first_key + r, c)
                 dV[at] = V_shared[r0 + r, c]
                 dK[at] = K_shared[r0 + r, c]
+
+    @T.macro
+    def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV):
+        # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
+        K_shared = T.alloc_shared([block_M, dim], dtype)
+        V_shared = T.alloc_shared([block_M, dim], dtype)
+        Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+        dO_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+        lse_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
+        delta_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
+        ds_shared = T.alloc_shared([2, block_M, block_N], dtype)
+        dq_shared = T.alloc_shared([dq_stages, dq_tile], accum_dtype)  # accumulator order
+
+        # mbarriers. "full": producer warp 0 (32 threads) arrives and its TMA loads complete
+        # the byte count; "empty": every consumer thread arrives once it no longer reads the
+        # buffer. dq_full/dq_empty hand the dQ tile to producer warp 1 and back.
+        kv_full = T.alloc_barrier(32)
+        q_full = T.alloc_barrier([32] * num_stages)
+        do_full = T.alloc_barrier([32] * num_stages)
+        q_empty = T.alloc_barrier([consumers] * num_stages)
+        do_empty = T.alloc_barrier([consumers] * num_stages)
+        dq_full = T.alloc_barrier([consumers] * dq_stages)
+        dq_empty = T.alloc_barrier([32] * dq_stages)
+
+        edges = (left, right, seq.hi, seq.lo)
+        q_start, n_blocks = query_block_range(bx, block_M, block_N, seq.q_pad, edges)
+        tx = T.get_thread_binding()
+
+        if tx >= consumers:
+            # ------------------------------------------------------------ producer warpgroup
+            T.set_max_nreg(PRODUCER_REGS, 0)
+            if tx < consumers + 32:
+                # Warp 0: K, V once; then Q (+ lse2) and dO (+ delta) for every step.
+                # Keys past Sk and queries past Sq read as zeros (TMA fills out of bounds;
+                # packed: the next sequence's rows, then zeros past the last one).
+                kv_rows = (seq.k_row, by, bx * block_M, block_M)
+                T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
+                T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
+                T.barrier_arrive(kv_full)
+                for i in T.serial(step_count(n_blocks)):
+                    h, k = step_coords(by, q_start, n_blocks, i)
+                    stage = i % num_stages
+                    phase = (i // num_stages) & 1
+                    # A fresh mbarrier counts as having completed the phase before phase 0,
+                    # so the first wait on an "empty" barrier (parity 1) passes at once.
+                    T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
+                    q_rows = (seq.q_row, h, k * block_N, block_N)
+                    T.tma_copy(
+                        seq_rows(Q, layout, *q_rows),
+                        Q_shared[stage, :, :],
+                        barrier=q_full[stage],
+                    )
+                    T.tma_copy(
+                        stats_tile(lse2, layout, seq.tile, h, k, block_N),
+                        lse_shared[stage, :],
+                        barrier=q_full[stage],
+                    )
+                    T.barrier_arrive(q_full[stage])
+                    T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
+                    T.tma_copy(
+                        seq_rows(dO, layout, *q_rows),
+                        dO_shared[stage, :, :],
+                        barrier=do_full[stage],
+                    )
+                    T.tma_copy(
+                        stats_tile(Delta, layout, seq.tile, h, k, block_N),
+                        delta_shared[stage, :],
+                        barrier=do_full[stage],
+                    )
+                    T.barrier_arrive(do_full[stage])
+            elif tx < consumers + 64:
+                # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
+                # their P is 0).
+                reduce = (tx, seq, dq_full, dq_empty, dq_shared, dQ_accum)
+                if packed and groups > 1:
+                    # The packed accumulator's index is 64-bit (its shape is known at run time
+                    # only); the head and block of a step, a division and a modulo by the
+                    # run-time block count in 64 bits, would not fit the producer's registers.
+                    # Two loops need neither; unrolled, the inner one would not fit either.
+                    for g in T.serial(groups):
+                        for kk in T.unroll(n_blocks, annotations={"pragma_unroll_factor": 1}):
+                            dq_reduce(g * n_blocks + kk, by * groups + g, q_start + kk, *reduce)
+                else:
+                    for i in T.serial(step_count(n_blocks)):
+                        h, k = step_coords(by, q_start, n_blocks, i)
+                        dq_reduce(i, h, k, *reduce)
+        else:
+            # ----------------------------------------------------------- consumer warpgroups
+            T.set_max_nreg(CONSUMER_REGS, 1)
+            shared = (
+                K_shared,
+                V_shared,
+                Q_shared,
+                dO_shared,
+                lse_shared,
+                delta_shared,
+                ds_shared,
+                dq_shared,
+            )
+            barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
+            if tx < 128:
+                consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, *shared, *barriers, dK, dV)
+            else:
+                consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, *shared, *barriers, dK, dV)
+
+    if packed:
+        total_q, total_k, batch, n_tiles = T.dynamic("total_q, total_k, batch, n_tiles")
+
+        @T.prim_func
+        def flash_bwd_varlen(
+            Q: T.Tensor([total_q, heads, dim], dtype),
+            K: T.Tensor([total_k, heads_kv, dim], dtype),
+            V: T.Tensor([total_k, heads_kv, dim], dtype),
+            dO: T.Tensor([total_q, heads, dim], dtype),
+            lse2: T.Tensor([heads, n_tiles, block_N], accum_dtype),
+            Delta: T.Tensor([heads, n_tiles, block_N], accum_dtype),
+            cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+            cu_seqlens_k: T.Tensor([batch + 1], "int32"),
+            max_seqlen_k: T.int32,
+            dQ_accum: T.Tensor([n_tiles, heads, dq_tile], accum_dtype),
+            dK: T.Tensor([total_k, heads_kv, dim], dtype),
+            dV: T.Tensor([total_k, heads_kv, dim], dtype),
+        ):
+            with T.Kernel(T.ceildiv(max_seqlen_k, block_M), heads_kv, batch, threads=threads) as (
+                bx,
+                by,
+                bz,
+            ):
+                q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+                seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                seq_len_k = cu_seqlens_k[bz + 1] - cu_seqlens_k[bz]
+                # What the steps read of the sequence, kept in shared memory rather than in
+                # registers: the consumers have none to spare for values live across the whole
+                # loop (the dense kernel's are constants), and a shared-memory load where one
+                # is used costs little. Static shared memory, beside the mbarriers, whose
+                # section is padded to 1 KB anyway: the dynamic section of the largest tiles
+                # (block_N = 80) has no 16 bytes left.
+                info = T.alloc_shared([4], "int32", scope="shared")
+                seq = Rows(
+                    q_row=info[0],
+                    k_row=info[1],
+                    tile=tile_start(info[0], bz, block_N),
+                    q_pad=padded_len(seq_len_q, block_N),
+                    kv_len=info[2],
+                    hi=info[3] + right,  # info[3]: bottom-right causal alignment, Sk − Sq
+                    lo=info[3] - left,
+                )
+                # The grid is sized for the longest sequence: a key block past this one's keys
+                # leaves before anything is loaded or written (the whole thread block: nobody
+                # waits on a barrier it would arrive on).
+                if bx * block_M < seq_len_k:
+                    if T.get_thread_binding() == 0:
+                        info[0] = q_offset
+                        info[1] = cu_seqlens_k[bz]  # first packed row of its keys
+                        info[2] = seq_len_k
+                        info[3] = seq_len_k - seq_len_q
+                    T.sync_threads()
+                    thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
+
+        return flash_bwd_varlen
 
     @T.prim_func
     def flash_bwd(
@@ -492,101 +807,8 @@ def flash_bwd(
         dV: T.Tensor(kv_shape, dtype),
     ):
         with T.Kernel(T.ceildiv(seq_kv, block_M), heads_kv, batch, threads=threads) as (bx, by, bz):
-            K_shared = T.alloc_shared([block_M, dim], dtype)
-            V_shared = T.alloc_shared([block_M, dim], dtype)
-            Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
-            dO_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
-            lse_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
-            delta_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
-            ds_shared = T.alloc_shared([2, block_M, block_N], dtype)
-            dq_shared = T.alloc_shared([dq_stages, dq_tile], accum_dtype)  # accumulator order
-
-            # mbarriers. "full": producer warp 0 (32 threads) arrives and its TMA loads complete
-            # the byte count; "empty": every consumer thread arrives once it no longer reads the
-            # buffer. dq_full/dq_empty hand the dQ tile to producer warp 1 and back.
-            kv_full = T.alloc_barrier(32)
-            q_full = T.alloc_barrier([32] * num_stages)
-            do_full = T.alloc_barrier([32] * num_stages)
-            q_empty = T.alloc_barrier([consumers] * num_stages)
-            do_empty = T.alloc_barrier([consumers] * num_stages)
-            dq_full = T.alloc_barrier([consumers] * dq_stages)
-            dq_empty = T.alloc_barrier([32] * dq_stages)
-
-            q_start, n_blocks = query_block_range(bx, block_M, block_N, seq_q_pad, window_edges)
-            tx = T.get_thread_binding()
-
-            if tx >= consumers:
-                # ------------------------------------------------------------ producer warpgroup
-                T.set_max_nreg(PRODUCER_REGS, 0)
-                if tx < consumers + 32:
-                    # Warp 0: K, V once; then Q (+ lse2) and dO (+ delta) for every step.
-                    # Keys past Sk and queries past Sq read as zeros (TMA fills out of bounds).
-                    kv_rows = (bz, by, bx * block_M, block_M)
-                    T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
-                    T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
-                    T.barrier_arrive(kv_full)
-                    for i in T.serial(step_count(n_blocks)):
-                        h, k = step_coords(by, q_start, n_blocks, i)
-                        stage = i % num_stages
-                        phase = (i // num_stages) & 1
-                        # A fresh mbarrier counts as having completed the phase before phase 0,
-                        # so the first wait on an "empty" barrier (parity 1) passes at once.
-                        T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
-                        q_rows = (bz, h, k * block_N, block_N)
-                        T.tma_copy(
-                            seq_rows(Q, layout, *q_rows),
-                            Q_shared[stage, :, :],
-                            barrier=q_full[stage],
-                        )
-                        T.tma_copy(
-                            lse2[bz, h, k * block_N : (k + 1) * block_N],
-                            lse_shared[stage, :],
-                            barrier=q_full[stage],
-                        )
-                        T.barrier_arrive(q_full[stage])
-                        T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
-                        T.tma_copy(
-                            seq_rows(dO, layout, *q_rows),
-                            dO_shared[stage, :, :],
-                            barrier=do_full[stage],
-                        )
-                        T.tma_copy(
-                            Delta[bz, h, k * block_N : (k + 1) * block_N],
-                            delta_shared[stage, :],
-                            barrier=do_full[stage],
-                        )
-                        T.barrier_arrive(do_full[stage])
-                elif tx < consumers + 64:
-                    # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
-                    # their P is 0). Waiting until the reduce-add has read the tile, then
-                    # arriving on dq_empty, hands the buffer back.
-                    for i in T.serial(step_count(n_blocks)):
-                        h, k = step_coords(by, q_start, n_blocks, i)
-                        slot = i % dq_stages
-                        T.mbarrier_wait_parity(dq_full[slot], (i // dq_stages) & 1)
-                        if tx == consumers + 32:
-                            bulk_reduce_add(dQ_accum[bz, h, k, 0], dq_shared[slot, 0], dq_tile)
-                            T.tma_store_arrive()
-                            T.tma_store_wait(0)
-                        T.barrier_arrive(dq_empty[slot])
-            else:
-                # ----------------------------------------------------------- consumer warpgroups
-                T.set_max_nreg(CONSUMER_REGS, 1)
-                shared = (
-                    K_shared,
-                    V_shared,
-                    Q_shared,
-                    dO_shared,
-                    lse_shared,
-                    delta_shared,
-                    ds_shared,
-                    dq_shared,
-                )
-                barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
-                if tx < 128:
-                    consumer_warpgroup(0, bx, by, bz, q_start, n_blocks, *shared, *barriers, dK, dV)
-                else:
-                    consumer_warpgroup(1, bx, by, bz, q_start, n_blocks, *shared, *barriers, dK, dV)
+            seq = Rows(q_row=bz, k_row=bz, tile=bz, q_pad=seq_q_pad, kv_len=seq_kv, hi=hi, lo=lo)
+            thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
 
     return flash_bwd
 
@@ -597,10 +819,50 @@ def flash_bwd_post(
 ):
     """dQ = softmax_scale · dQ_accum, back in [B, Sq, H, D] order: ``dQ_accum`` holds, per query
     block of ``block`` (the backward's ``block_N``), the float32 dQᵀ tile in the order the
-    backward's two consumer warpgroups stored it (``accumulator_index``)."""
+    backward's two consumer warpgroups stored it (``accumulator_index``).
+
+    ``layout="thd"``: packed sequences (``batch``, ``seq_q``, ``seq_q_pad`` None: dynamic), the
+    tiles at each sequence's ``tile_start``; only a tile's rows inside its sequence are
+    written (the rest of the box would be the next sequence's rows)."""
     accum_dtype = "float32"
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block)
     half = dq_rows * dq_cols
+
+    def tile_index(i, d):
+        """Where query i, head dim d (dQᵀ: row d, column i) sits in its dQᵀ tile."""
+        if dq_split_dim:
+            return (d // dq_rows) * half + accumulator_index(d % dq_rows, i)
+        return (i // dq_cols) * half + accumulator_index(d, i % dq_cols)
+
+    if layout == "thd":
+        total_q, batch, n_tiles = T.dynamic("total_q, batch, n_tiles")
+
+        @T.prim_func
+        def flash_bwd_post(
+            dQ_accum: T.Tensor([n_tiles, heads, dim * block], accum_dtype),
+            cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+            max_seqlen_q: T.int32,
+            dQ: T.Tensor([total_q, heads, dim], dtype),
+        ):
+            with T.Kernel(T.ceildiv(max_seqlen_q, block), heads, batch, threads=128) as (
+                bx,
+                by,
+                bz,
+            ):
+                tile = T.alloc_shared([dim * block], accum_dtype)
+                dq_out = T.alloc_shared([block, dim], dtype)
+                q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
+                seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                if bx * block < seq_len_q:  # blocks past the sequence's end have no tile
+                    T.copy(dQ_accum[tile_start(q_offset, bz, block) + bx, by, :], tile)
+                    for i, d in T.Parallel(block, dim):
+                        at = tile_index(i, d)
+                        dq_out[i, d] = tile[at] * softmax_scale
+                    for i, d in T.Parallel(block, dim):
+                        if bx * block + i < seq_len_q:
+                            dQ[q_offset + bx * block + i, by, d] = dq_out[i, d]
+
+        return flash_bwd_post
 
     @T.prim_func
     def flash_bwd_post(
@@ -612,10 +874,7 @@ def flash_bwd_post(
             dq_cast = T.alloc_fragment([block, dim], dtype)
             T.copy(dQ_accum[bz, by, bx, :], tile)  # one contiguous block
             for i, d in T.Parallel(block, dim):  # query i, head dim d (dQᵀ: row d, column i)
-                if dq_split_dim:
-                    at = (d // dq_rows) * half + accumulator_index(d % dq_rows, i)
-                else:
-                    at = (i // dq_cols) * half + accumulator_index(d, i % dq_cols)
+                at = tile_index(i, d)
                 dq_cast[i, d] = tile[at] * softmax_scale
             T.copy(dq_cast, seq_rows(dQ, layout, bz, by, bx * block, block))
 
@@ -761,6 +1020,44 @@ def run_backward(
     post = flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype, cfg["block_N"], layout)
     post(dq_accum, dq)
     return dq, dk, dv, delta[:, :, :Sq]
+
+
+def run_backward_varlen(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+    softmax_scale, config=None, lse_align=1,
+):  # fmt: skip
+    """The backward on packed sequences (``layout="thd"``), for
+    example_gqa_bwd_tma_reduce_varlen.py: ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]``,
+    ``cu_seqlens_q/k`` int32 ``[B + 1]``, ``max_seqlen_q/k`` at least the longest sequence,
+    ``lse`` the forward's ``[H, n]`` (each sequence at ``lse_start(…, lse_align)``; natural
+    log, +inf for a row that sees no key). Returns ``dq, dk, dv``."""
+    (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
+    if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dtype = dtype_name(q)
+    cfg = config or default_config(D, fwd.device_arch(q.device))
+    block_N = cfg["block_N"]
+    batch = cu_seqlens_q.shape[0] - 1
+    n_tiles = tile_start(total_q, batch, block_N)  # every sequence's query tiles (tile_start)
+    dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
+    # lse2 and delta: the prep writes every row of every sequence's tiles (padding included);
+    # the tiles between sequences are never read.
+    delta = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
+    prep = flash_bwd_prep(None, H, None, None, D, dtype, block_N, "thd", lse_align)
+    prep(out, dout, lse, cu_seqlens_q, max_seqlen_q, delta, lse2)
+    # dQᵀ tiles, float32, one per query tile: a sum of reduce-adds, so it starts at zero.
+    dq_accum = torch.zeros(n_tiles, H, D * block_N, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    kernel = flash_bwd(
+        None, H, None, None, D, causal, softmax_scale, dtype, **cfg, groups=H // Hkv,
+        layout="thd",
+    )  # fmt: skip
+    kernel(q, k, v, dout, lse2, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, dq_accum, dk, dv)
+    dq = torch.empty_like(q)
+    post = flash_bwd_post(None, H, None, None, D, softmax_scale, dtype, block_N, "thd")
+    post(dq_accum, cu_seqlens_q, max_seqlen_q, dq)
+    return dq, dk, dv
 
 
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
@@ -935,16 +1232,22 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
 
 def backward_kernels(
     seq_q, seq_k, dim, causal, softmax_scale, dtype, config, groups=1, window=(-1, -1),
-    layout="bshd",
+    layout="bshd", lse_align=1,
 ):  # fmt: skip
     """The backward's three kernel factories and their arguments after ``(batch, heads)``:
     name → (factory, args, kwargs). ``compile_all`` builds them, here, in example_gqa_bwd.py
-    (``groups`` query heads a kv head) and in example_gqa_sink_bwd_bhsd.py (a window, BHSD)."""
-    seq_q_pad = padded_len(seq_q, config["block_N"])
+    (``groups`` query heads a kv head), in example_gqa_sink_bwd_bhsd.py (a window, BHSD) and
+    in example_gqa_bwd_tma_reduce_varlen.py (``layout="thd"``: packed sequences, the lengths
+    and the batch None, as they are dynamic; ``lse_align``: see ``lse_start``)."""
+    packed = layout == "thd"
+    seq_q_pad = None if packed else padded_len(seq_q, config["block_N"])
     bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
+    prep_kw = {"layout": layout}
+    if packed:  # one thread block a query tile, lse in the forward's layout
+        prep_kw.update(block=config["block_N"], lse_align=lse_align)
     return {
-        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), {"layout": layout}),
-        "flash_bwd": (
+        "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), prep_kw),
+        "flash_bwd_varlen" if packed else "flash_bwd": (
             flash_bwd,
             bwd_args,
             {**config, "groups": groups, "window": window, "layout": layout},
