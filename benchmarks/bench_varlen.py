@@ -12,7 +12,9 @@ bf16 — the setting of FlashAttention-3's published varlen figures. For each:
 - backward (the backward pass alone, 2.5× the forward FLOPs): ours
   (example_gqa_bwd_tma_reduce_varlen.py, one kv head per query head) against SDPA FLASH (FA2)
   and cuDNN on the padded equivalent — the batch padded to its longest sequence, which is what
-  a model without varlen kernels runs.
+  a model without varlen kernels runs; and, at the same token count, our dense hand-scheduled
+  backward (example_mha_bwd_wgmma_pipelined.py, which example_gqa_bwd.py's ``group`` strategy
+  runs) on B = 16384 / S sequences of length S, beside our varlen backward on that batch.
 
 FLOPs count the useful work of the packed batch (summed per sequence, as docs/CONVENTIONS.md
 says) for every row of a report, padded peers included, so TFLOP/s compare as times. Each of our
@@ -143,7 +145,7 @@ def forward_rows(fwd, dense, lengths, causal, dtype_name, dense_seqlens):
     return rows
 
 
-def backward_rows(bwd, lengths, causal, dtype_name):
+def backward_rows(bwd, dense_bwd, lengths, causal, dtype_name, dense_seqlens):
     dtype = harness.DTYPES[dtype_name]
     scale = DIM**-0.5
     padded, _, p = make_batch(lengths, dtype)
@@ -168,10 +170,44 @@ def backward_rows(bwd, lengths, causal, dtype_name):
         f"H{HEADS} D{DIM} causal={causal} {dtype_name}"
     )
     setting = {"dtype": dtype_name, "causal": causal, "tokens": TOKENS, "B": len(lengths)}
-    return [
+    rows = [
         {**r, **setting, "mode": "bwd", "S": None, "rel_err": max(rels) if r["ours"] else None}
         for r in harness.report(title, ours, peers, flops)
     ]
+
+    # The same tokens as B = TOKENS / S sequences of length S: the dense hand-scheduled backward
+    # (example_gqa_bwd.py's `group` strategy runs it; here one kv head per query head) beside
+    # the varlen one on that batch, both as their plain backward functions (no autograd).
+    packed = [p[n] for n in ("q", "k", "v")]
+    for S in dense_seqlens:
+        B = TOKENS // S
+        q, k, v, dout = (p[n].view(B, S, HEADS, DIM) for n in ("q", "k", "v", "dout"))
+        out, lse = dense_bwd.attention_forward(q, k, v, causal, scale)
+        cu_eq = torch.arange(0, B * S + 1, S, dtype=torch.int32, device="cuda")
+        v_out, v_lse = bwd.attention_forward(*packed, cu_eq, cu_eq, S, causal, scale)
+        dense_grads = dense_bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)
+        varlen_grads = bwd.attention_backward(
+            p["dout"], *packed, v_out, v_lse, cu_eq, cu_eq, (S, S), causal, scale
+        )
+        rel = max(
+            harness.check_close(f"d{n} equal", a.reshape(b.shape), b, 2e-2)
+            for n, a, b in zip("qkv", dense_grads, varlen_grads, strict=True)
+        )
+        ours = {
+            "tilelang dense": lambda q=q, k=k, v=v, dout=dout, out=out, lse=lse: (
+                dense_bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)
+            ),
+            "tilelang varlen equal": lambda o=v_out, s=v_lse, cu=cu_eq, S=S: bwd.attention_backward(
+                p["dout"], *packed, o, s, cu, cu, (S, S), causal, scale
+            ),
+        }
+        flops = harness.attention_flops(B, HEADS, S, S, DIM, DIM, causal, backward=True)
+        title = f"equal lengths bwd B{B} S{S} H{HEADS} D{DIM} causal={causal} {dtype_name}"
+        rows += [
+            {**r, **setting, "mode": "bwd-equal", "S": S, "B": B, "rel_err": rel}
+            for r in harness.report(title, ours, {}, flops)
+        ]
+    return rows
 
 
 def _tflops(rows, **match):
@@ -181,7 +217,8 @@ def _tflops(rows, **match):
 
 def markdown(rows, dense_seqlens):
     """Two tables: forward (ours, FA3, dense at equal tokens and the ratios the issue asks
-    for) and backward (ours against the padded SDPA peers)."""
+    for) and backward (ours against the padded SDPA peers, and against the dense backward at
+    equal tokens)."""
     fwd_head = ["causal", "dtype", "tilelang varlen", "fa3 varlen", "ours ÷ FA3"]
     for S in dense_seqlens:
         fwd_head += [f"dense S{S}", f"varlen equal S{S}", f"varlen ÷ dense S{S}"]
@@ -201,6 +238,8 @@ def markdown(rows, dense_seqlens):
     peers = list(dict.fromkeys(r["impl"] for r in rows if r["mode"] == "bwd" and not r["ours"]))
     bwd_head = ["causal", "dtype", "tilelang varlen ms", "TFLOP/s"]
     bwd_head += [f"{p} ms" for p in peers] + [f"{p} ÷ ours (time)" for p in peers]
+    for S in dense_seqlens:
+        bwd_head += [f"dense S{S}", f"varlen equal S{S}", f"varlen ÷ dense S{S}"]
     lines += ["", "| " + " | ".join(bwd_head) + " |", "|" + "---|" * len(bwd_head)]
     for causal, dtype in settings:
         here = [r for r in rows if (r["causal"], r["dtype"], r["mode"]) == (causal, dtype, "bwd")]
@@ -209,6 +248,14 @@ def markdown(rows, dense_seqlens):
         cells = [str(causal), dtype, f"{ours:.3f}", f"{_tflops(here, impl='tilelang varlen'):.0f}"]
         cells += [f"{ms.get(p, math.nan):.3f}" for p in peers]
         cells += [f"{ms.get(p, math.nan) / ours:.2f}" for p in peers]
+        equal = [
+            r for r in rows if (r["causal"], r["dtype"], r["mode"]) == (causal, dtype, "bwd-equal")
+        ]
+        ours_tflops = _tflops(here, impl="tilelang varlen")
+        for S in dense_seqlens:
+            dense = _tflops(equal, S=S, impl="tilelang dense")
+            varlen_equal = _tflops(equal, S=S, impl="tilelang varlen equal")
+            cells += [f"{dense:.0f}", f"{varlen_equal:.0f}", f"{ours_tflops / dense:.2f}"]
         lines.append("| " + " | ".join(cells).replace("nan", "—") + " |")
     return "\n".join(lines) + "\n"
 
@@ -232,6 +279,7 @@ def main(argv=None):
     fwd = load("examples/flash_attention/example_mha_fwd_varlen.py")
     dense = load("examples/flash_attention/example_mha_fwd_bshd.py")
     bwd = load("examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
+    dense_bwd = bwd.fast_bwd  # example_mha_bwd_wgmma_pipelined.py, as the varlen script loaded it
     lengths = random_lengths()
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens, lengths {lengths}")
 
@@ -241,7 +289,7 @@ def main(argv=None):
             if "fwd" in args.modes:
                 rows += forward_rows(fwd, dense, lengths, causal, dtype, args.dense_seqlens)
             if "bwd" in args.modes:
-                rows += backward_rows(bwd, lengths, causal, dtype)
+                rows += backward_rows(bwd, dense_bwd, lengths, causal, dtype, args.dense_seqlens)
 
     args.out.mkdir(parents=True, exist_ok=True)
     device, date = torch.cuda.get_device_name(), str(datetime.date.today())

@@ -155,8 +155,6 @@ def inputs(
 
 def lse_shape(script, args):
     q = args[0]
-    if script == VARLEN_BWD:  # [H, stats_len]: each sequence's row starts 16-byte aligned
-        return (q.shape[1], load_script(script).stats_len(q.shape[0], args[3].shape[0] - 1))
     if layout(script) == "varlen":
         return (q.shape[1], q.shape[0])  # [H, total_q]
     return (q.shape[0], q.shape[2], q.shape[1]) if layout(script) == "bshd" else q.shape[:3]

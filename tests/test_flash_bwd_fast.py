@@ -207,19 +207,6 @@ def test_packed_tiles_are_each_sequences_own(lengths, block_N):
     assert n_tiles <= cu[-1] // block_N + len(lengths)
 
 
-@pytest.mark.parametrize("lengths", PACKED_LENGTHS)
-def test_lse_start_is_aligned_and_disjoint(lengths):
-    """lse_start: align 1 is FlashAttention's packed [H, total_q]; align 4 starts every
-    sequence on a 16-byte boundary without overlapping the previous one."""
-    mod = load_script(FAST)
-    cu = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
-    assert [mod.lse_start(cu[b], b, 1) for b in range(len(lengths))] == cu[:-1]
-    starts = [mod.lse_start(cu[b], b, 4) for b in range(len(lengths))]
-    assert all(s % 4 == 0 for s in starts) and starts[0] == 0
-    ends = [s + n for s, n in zip(starts, lengths, strict=True)]
-    assert all(end <= nxt for end, nxt in zip(ends, starts[1:], strict=False))
-
-
 def _blocks_seen(Lq, Lk, bx, block_M, block_N, causal):
     """Query blocks holding a query that sees a key of key block bx (one with a key below Lk):
     query i sees key j iff j <= i + Lk − Lq (bottom-right causal), so it sees one of the

@@ -366,23 +366,14 @@ def sources(script, dim, causal, dtype):
     return {"flashattn_fwd_varlen": forward_kernel(script, dim, causal, dtype).get_kernel_source()}
 
 
-def test_forward_code():
-    """The backward script's own forward (T.Pipelined, a block per query block): one kernel for
-    every batch: total_q, total_k and the batch arrive as kernel arguments. Q/K/V come by TMA at
-    per-sequence offsets; the output leaves by TMA store only from blocks wholly inside their
-    sequence (a box would overwrite the next sequence's rows), by a guarded store otherwise;
-    blocks past a sequence's end leave before issuing a load."""
-    src = sources(GQA_BWD, 128, True, "float16")["flashattn_fwd_varlen"]
-    signature = src[: src.index("{")]
-    for arg in ("int batch", "int max_seqlen_q", "int total_q"):
-        assert arg in signature, arg
-    for tensor in ("Q", "K", "V"):
-        assert f"tl::tma_load({tensor}_desc" in src, tensor
-    store = re.search(r"if \(\(+.*\) <= seq_len_q\) \{\n[^}]*tl::tma_store\(Output_desc", src)
-    assert store, "the TMA store must sit under the whole-block test"
-    assert re.search(r"\} else \{(?:(?!tma_store).)*?\*\(uint4\*\)\(Output \+", src, re.S)
-    first_load = src.index("tma_load(")
-    assert re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_q\)", src[:first_load])
+def test_backward_script_runs_the_persistent_forward():
+    """The backward script's differentiable function runs example_gqa_fwd_varlen.py's kernel
+    (imported from beside it, not a copy): its compile_all builds exactly that kernel, with the
+    forward script's own default tiles, so a training step gets the persistent forward."""
+    bwd = load_script(GQA_BWD)
+    assert bwd.fwd.flashattn_fwd_varlen is load_script(GQA_FWD).flashattn_fwd_varlen
+    built = bwd.compile_all(16, 2, 128, True, "float16", "sm_90a")["flashattn_fwd_varlen"]
+    assert built == forward_kernel(GQA_FWD, 128, True, "float16").get_kernel_source()
 
 
 @pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
@@ -490,7 +481,7 @@ def test_backward_code():
 def emulate_packed_backward(q, k, v, dout, out, lse, cu_q, cu_k, causal, scale, block_N):
     """The packed backward on the CPU in float64, indexed as its three kernels index (the
     layout, not the arithmetic order): the preprocess fills each sequence's padded tiles of
-    lse2 and delta from the forward's aligned lse (tiles between sequences stay NaN: reading
+    lse2 and delta from the forward's lse [H, total_q] (tiles between sequences stay NaN: reading
     one shows); each key block of a sequence walks ``query_block_range`` on its run-time
     lengths, loads Q/dO/K/V boxes at the sequence's packed offsets (rows of the next sequence
     included; past the end, zeros), masks only keys past the sequence's end and outside the
@@ -498,7 +489,6 @@ def emulate_packed_backward(q, k, v, dout, out, lse, cu_q, cu_k, causal, scale, 
     postprocess writes each tile's rows inside the sequence. dK/dV start as NaN: a key row
     no thread block writes shows."""
     fast = load_script(GQA_BWD).fast_bwd
-    mod = load_script(GQA_BWD)
     block_M, log2e = 128, 1 / math.log(2)
     total_q, H, D = q.shape
     Hkv = k.shape[1]
@@ -515,13 +505,13 @@ def emulate_packed_backward(q, k, v, dout, out, lse, cu_q, cu_k, causal, scale, 
 
     for b in range(B):
         q0, Lq = cu_q[b], cu_q[b + 1] - cu_q[b]
-        t0, l0 = fast.tile_start(q0, b, block_N), mod.stats_start(q0, b)
+        t0 = fast.tile_start(q0, b, block_N)
         for t in range(math.ceil(Lq / block_N)):
             for i in range(block_N):
                 row = t * block_N + i
                 real = row < Lq
                 delta[:, t0 + t, i] = row_delta[:, q0 + row] if real else 0.0
-                lse2[:, t0 + t, i] = lse[:, l0 + row] * log2e if real else math.inf
+                lse2[:, t0 + t, i] = lse[:, q0 + row] * log2e if real else math.inf
 
     dq_accum = torch.zeros(H, n_tiles, block_N, D, dtype=torch.float64)
     dk, dv = torch.full_like(k, nan), torch.full_like(v, nan)
@@ -600,34 +590,22 @@ def test_packed_backward_layout_gives_reference_gradients(causal, block_N):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = mod.ref_program(*leaves, cu_q, cu_k, max_q, max_k, causal, scale, return_lse=True)
     want = torch.autograd.grad(out, leaves, dout)
-    stats = torch.full((H, mod.stats_len(q.shape[0], len(lens_q))), math.nan, dtype=torch.float64)
-    bounds = cu_q.tolist()
-    for b in range(len(lens_q)):  # the forward's aligned layout; the gaps stay NaN
-        start = mod.stats_start(bounds[b], b)
-        stats[:, start : start + lens_q[b]] = lse[:, bounds[b] : bounds[b + 1]]
     got = emulate_packed_backward(
-        q, k, v, dout, out.detach(), stats, bounds, cu_k.tolist(), causal, scale, block_N
+        q,
+        k,
+        v,
+        dout,
+        out.detach(),
+        lse.detach(),
+        cu_q.tolist(),
+        cu_k.tolist(),
+        causal,
+        scale,
+        block_N,
     )
     for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert not a.isnan().any(), name
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
-
-
-@pytest.mark.parametrize(
-    "lengths", [[17, 64, 1, 130], [1, 1, 1, 1, 1], [0, 5, 0, 3], [4096], [3, 0], [255, 1000, 1]]
-)
-def test_stats_layout_is_16_byte_aligned_and_disjoint(lengths):
-    """lse/Delta columns: every sequence starts on a multiple of 4 floats (a TMA box must start
-    16-byte aligned in the innermost dimension), sequences never overlap, and all fit in
-    stats_len columns, itself a multiple of 4 (the tensor map's row stride)."""
-    mod = load_script(GQA_BWD)
-    cu = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
-    starts = [mod.stats_start(cu[b], b) for b in range(len(lengths))]
-    width = mod.stats_len(cu[-1], len(lengths))
-    assert all(s % 4 == 0 for s in starts) and width % 4 == 0
-    ends = [s + n for s, n in zip(starts, lengths, strict=True)]
-    assert all(end <= nxt for end, nxt in zip(ends, starts[1:], strict=False))
-    assert ends[-1] <= width and starts[0] == 0
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -7,8 +7,9 @@ D]``, ``k, v [total_k, Hkv, D]`` packed back to back, ``cu_seqlens_q/k`` int32 `
 differ per sequence; ``bert_padding.unpad_input`` / ``pad_input`` get a padded batch with an
 attention mask into this form and back, and gradients flow through both.
 
-The forward is example_gqa_fwd_varlen.py's kernel; it also writes the row log-sum-exp ``lse``
-for the backward. The backward is example_mha_bwd_wgmma_pipelined.py's hand-scheduled Hopper
+The forward is example_gqa_fwd_varlen.py's persistent, hand-scheduled kernel, imported from
+beside this file; it also writes the row log-sum-exp ``lse`` (``[H, total_q]``, FlashAttention's
+layout) for the backward. The backward is example_mha_bwd_wgmma_pipelined.py's hand-scheduled Hopper
 backward (FlashAttention-3's schedule; read that script first), imported from beside this file
 and run in its packed mode (``layout="thd"``). Per thread block of 128 keys of one kv head: a
 producer warpgroup whose warp 0 loads K and V once and each step's Q (with lse) and dO (with
@@ -40,12 +41,6 @@ What packed sequences change:
   the next sequence's rows in a query box get P = 0 and dS = 0 there without a mask, and the
   dQ reduce-add adds their exact zeros into this sequence's own padding, never into another
   sequence. The postprocess writes each tile's rows inside its sequence back as ``dq``.
-
-The forward writes ``lse`` as ``[H, stats_len]``: each sequence's columns start on a multiple of
-4 floats (16 bytes), sequence ``b`` at ``stats_start = 4·⌊(cu_seqlens_q[b] + 3b) / 4⌋``, which
-leaves 0-3 unused floats after each sequence and never overlaps the next one; ``stats_len``
-(total_q + 3B rounded up to 4) keeps the row stride a multiple of 16 bytes. The backward's
-preprocess reads it from there.
 
 ``total_q``, ``total_k`` and ``B`` are dynamic dimensions (``T.dynamic``) and the max lengths
 kernel arguments, so a new batch does not recompile. Rows that see no key give out 0, lse +inf
@@ -85,225 +80,17 @@ import pathlib
 import sys
 
 import einops
-import tilelang
-import tilelang.language as T
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_gqa_fwd_varlen as fwd  # noqa: E402  (the persistent varlen forward)
 import example_mha_bwd_wgmma_pipelined as fast_bwd  # noqa: E402  (the hand-scheduled backward)
 
-LOG2E = 1.4426950408889634
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA loads and reduce-adds, WGMMA)
-STATS_ALIGN = 4  # lse: each sequence's columns start on a multiple of 4 floats (16 bytes)
-
-
-def stats_start(q_offset, b):
-    """First lse column of sequence ``b`` (its first packed row is ``q_offset``): ``q_offset +
-    3b`` rounded down to a multiple of 4 floats — 16-byte aligned, and never inside the previous
-    sequence's columns, since each sequence gets 3 floats of slack. The backward's preprocess
-    reads lse there (``fast_bwd.lse_start`` with ``lse_align=STATS_ALIGN``). Works on Python
-    ints and on TileLang expressions alike."""
-    return fast_bwd.lse_start(q_offset, b, STATS_ALIGN)
-
-
-# ----------------------------------------------------------------------------- forward kernel
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_fwd_varlen(
-    heads,
-    heads_kv,
-    dim,
-    causal,
-    softmax_scale,
-    dtype="float16",
-    block_M=128,
-    block_N=128,
-    num_stages=1,
-    threads=256,
-):
-    """example_gqa_fwd_varlen.py's kernel; lse goes into the aligned stats layout
-    (``stats_start``)."""
-    groups = heads // heads_kv
-    accum_dtype = "float32"
-    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
-    neg_inf = -T.infinity(accum_dtype)
-    # Sizes that change from batch to batch are dynamic: no recompilation for a new batch.
-    total_q, total_k, batch = T.dynamic("total_q, total_k, batch")
-    # lse rows: every sequence starts on a 16-byte boundary (see the module docstring).
-    stats_len = T.dynamic("stats_len")
-
-    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated CUDA
-    # is the same as with the steps written out in the loop.
-    @T.macro
-    def scores(K, kv0, kv_head, Q_shared, K_shared, acc_s):
-        # S = Q Kᵀ of the key block starting at packed row kv0.
-        T.copy(K[kv0 : kv0 + block_N, kv_head, :], K_shared)
-        T.gemm(
-            Q_shared,
-            K_shared,
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
-
-    @T.macro
-    def mask(k, first_masked, row0, seq_len_k, offset, acc_s):
-        if k >= first_masked:
-            # Keys past seq_len_k are the next sequence's: never let them in.
-            for i, j in T.Parallel(block_M, block_N):
-                key = k * block_N + j
-                visible = key < seq_len_k
-                if causal:
-                    visible = visible and key <= row0 + i + offset
-                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-    @T.macro
-    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
-        # Online softmax: new row max, rescale what was accumulated under the old.
-        T.copy(scores_max, scores_max_prev)
-        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-        for i in T.Parallel(block_M):
-            # A row that has seen no visible key yet keeps max = -inf; using 0
-            # instead makes exp2 give 0 rather than NaN (-inf - -inf).
-            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-        for i, j in T.Parallel(block_M, block_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-        T.reduce_sum(acc_s, scores_sum, dim=1)
-        for i in T.Parallel(block_M):
-            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-
-    @T.macro
-    def rescale(acc_o, scores_scale):
-        for i, j in T.Parallel(block_M, dim):
-            acc_o[i, j] *= scores_scale[i]
-
-    @T.macro
-    def pv(V, kv0, kv_head, V_shared, acc_s_cast, acc_o):
-        # O += P V of the key block starting at packed row kv0.
-        T.copy(V[kv0 : kv0 + block_N, kv_head, :], V_shared)
-        T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-    @T.macro
-    def epilogue(
-        acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, lse_start, row0, seq_len_q, by
-    ):
-        # Normalise; rows with no visible key (logsum = 0) give O = 0 and lse = +inf.
-        for i, j in T.Parallel(block_M, dim):
-            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-        # Through shared memory. A block wholly inside the sequence leaves by one TMA
-        # store; the sequence's last, partial block by a guarded store of its own rows
-        # (a TMA box would overwrite the next sequence's first rows).
-        T.copy(acc_o, O_shared)
-        if row0 + block_M <= seq_len_q:
-            T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
-        else:
-            for i, j in T.Parallel(block_M, dim):
-                if row0 + i < seq_len_q:
-                    Output[q_offset + row0 + i, by, j] = O_shared[i, j]
-        for i in T.Parallel(block_M):
-            if row0 + i < seq_len_q:
-                lse[by, lse_start + row0 + i] = T.if_then_else(
-                    logsum[i] > 0,
-                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                    T.infinity(accum_dtype),
-                )
-
-    @T.prim_func
-    def flash_fwd_varlen(
-        Q: T.Tensor([total_q, heads, dim], dtype),
-        K: T.Tensor([total_k, heads_kv, dim], dtype),
-        V: T.Tensor([total_k, heads_kv, dim], dtype),
-        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
-        cu_seqlens_k: T.Tensor([batch + 1], "int32"),
-        max_seqlen_q: T.int32,
-        Output: T.Tensor([total_q, heads, dim], dtype),
-        lse: T.Tensor([heads, stats_len], accum_dtype),
-    ):
-        with T.Kernel(T.ceildiv(max_seqlen_q, block_M), heads, batch, threads=threads) as (
-            bx,
-            by,
-            bz,
-        ):
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
-            K_shared = T.alloc_shared([block_N, dim], dtype)
-            V_shared = T.alloc_shared([block_N, dim], dtype)
-            O_shared = T.alloc_shared([block_M, dim], dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
-            scores_max = T.alloc_fragment([block_M], accum_dtype)
-            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
-            scores_scale = T.alloc_fragment([block_M], accum_dtype)
-            scores_sum = T.alloc_fragment([block_M], accum_dtype)
-            logsum = T.alloc_fragment([block_M], accum_dtype)
-
-            q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
-            k_offset = cu_seqlens_k[bz]  # and of its keys
-            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
-            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-            offset = seq_len_k - seq_len_q  # bottom-right causal alignment, per sequence
-            lse_start = stats_start(q_offset, bz)  # this sequence's first lse column
-
-            # The grid is sized for the longest sequence: blocks past this one's end leave at
-            # once, before any load is issued (so none can still be in flight at exit).
-            if bx * block_M < seq_len_q:
-                # Causal: the last query blocks of a sequence see the most keys. Launch them
-                # first, so the short blocks fill the tail of the grid.
-                m_blk = T.ceildiv(seq_len_q, block_M) - 1 - bx if causal else bx
-                row0 = m_blk * block_M  # first query row of this block, within the sequence
-
-                # Rows past the sequence end belong to the next sequence (or read as zeros past
-                # total_q): they are computed and thrown away, never stored.
-                T.copy(Q[q_offset + row0 : q_offset + row0 + block_M, by, :], Q_shared)
-                T.fill(acc_o, 0)
-                T.fill(logsum, 0)
-                T.fill(scores_max, neg_inf)
-
-                # Key blocks this query block must visit, and the first one that needs a mask:
-                # the ragged tail block (seq_len_k % block_N) and, when causal, the blocks that
-                # cross the diagonal. Every block before it is used unmasked.
-                n_blocks = T.ceildiv(seq_len_k, block_N)
-                first_masked = seq_len_k // block_N
-                if causal:
-                    last_key = row0 + block_M + offset  # one past the last key this block sees
-                    n_blocks = T.min(n_blocks, T.ceildiv(last_key, block_N))
-                    first_masked = T.min(first_masked, T.max(0, (row0 + offset) // block_N))
-                # At least one (fully masked) block even when no row here sees a key (an empty
-                # key sequence, or causal rows before the diagonal): the loop is where the
-                # consumers wait for the Q tile's TMA load, and a load still in flight at exit
-                # could land in shared memory another block already owns.
-                n_blocks = T.max(1, n_blocks)
-
-                for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                    kv0 = k_offset + k * block_N
-                    scores(K, kv0, by // groups, Q_shared, K_shared, acc_s)
-                    mask(k, first_masked, row0, seq_len_k, offset, acc_s)
-                    softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
-                    T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of the second GEMM
-                    rescale(acc_o, scores_scale)
-                    pv(V, kv0, by // groups, V_shared, acc_s_cast, acc_o)
-
-                epilogue(
-                    acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, lse_start, row0,
-                    seq_len_q, by,
-                )  # fmt: skip
-
-    return flash_fwd_varlen
 
 
 # ----------------------------------------------------------------------------- configurations
-def forward_config(dim, arch="sm_90a"):
-    """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_varlen.py)."""
-    if not arch.startswith("sm_90"):
-        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
-    if dim <= 64:
-        return dict(block_M=128, block_N=128, num_stages=2, threads=256)
-    return dict(block_M=128, block_N=128, num_stages=1, threads=256)
-
-
 def default_config(dim, arch="sm_90a"):
     """Backward tiles: example_mha_bwd_wgmma_pipelined.py's (``block_M`` keys a thread block,
     two consumer warpgroups of 64; ``block_N`` queries a step, also the padded tiles' rows;
@@ -325,13 +112,6 @@ def device_arch(device) -> str:
 
 def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
-
-
-def stats_len(total_q, batch):
-    """Row length of lse in the aligned layout: each of the ``batch`` sequences starts on a
-    multiple of 4 floats (up to 3 floats of gap each), rounded up to 4 floats (16 bytes, TMA's
-    row-stride unit)."""
-    return (total_q + 3 * batch + 3) // 4 * 4
 
 
 def _host_values(cu):
@@ -434,20 +214,11 @@ def _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
-    """out ``[total_q, H, D]`` and lse ``[H, stats_len]`` in the aligned stats layout (natural
-    log; the gap columns between sequences are never written)."""
-    (total_q, H, D), Hkv = q.shape, k.shape[1]
-    out = torch.empty_like(q)
-    batch = cu_seqlens_q.shape[0] - 1
-    lse = torch.empty(H, stats_len(total_q, batch), dtype=torch.float32, device=q.device)
-    if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
-        out.zero_()
-        lse.fill_(math.inf)
-    elif total_q > 0:
-        cfg = forward_config(D, device_arch(q.device))
-        kernel = flashattn_fwd_varlen(H, Hkv, D, causal, softmax_scale, dtype_name(q), **cfg)
-        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out, lse)
-    return out, lse
+    """out ``[total_q, H, D]`` and lse ``[H, total_q]`` (natural log): example_gqa_fwd_varlen.py's
+    persistent forward, with its own tiles."""
+    return fwd.attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale
+    )
 
 
 def attention_backward(
@@ -461,14 +232,14 @@ def attention_backward(
     max_seqlen_q, max_seqlen_k = max_seqlens
     return fast_bwd.run_backward_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        softmax_scale, config, lse_align=STATS_ALIGN,
+        softmax_scale, config,
     )  # fmt: skip
 
 
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
 # example_mha_bwd_bshd.py, with example_gqa_fwd_varlen.py's cu_seqlens reads: the checks that
 # read them run in the forward operator's real implementation, never in traced code. Its
-# autograd formula saves q, k, v, out, lse (the aligned stats layout) and both cu_seqlens, and
+# autograd formula saves q, k, v, out, lse and both cu_seqlens, and
 # calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
 CONFIG_KEYS = fast_bwd.CONFIG_KEYS  # ("block_M", "block_N", "num_stages", "dq_stages")
 
@@ -497,8 +268,7 @@ def _(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, config
 ):
     total_q, H, _ = q.shape
-    stats = stats_len(total_q, cu_seqlens_q.shape[0] - 1)
-    return torch.empty_like(q), q.new_empty(H, stats, dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(H, total_q, dtype=torch.float32)
 
 
 @torch.library.custom_op("tl_attn::gqa_bwd_tma_reduce_varlen_backward", mutates_args=())
@@ -791,15 +561,15 @@ def compile_all(heads, heads_kv, dim, causal, dtype, arch, config=None):
     scale = 1.0 / math.sqrt(dim)
     cfg = config or default_config(dim, arch)
     attn = (heads, heads_kv, dim, causal, scale, dtype)
+    fwd_cfg = fwd.default_config(dim, arch, causal)
     sources = {
         "flashattn_fwd_varlen": harness.compile_for(
-            flashattn_fwd_varlen, arch, *attn, **forward_config(dim, arch)
+            fwd.flashattn_fwd_varlen, arch, *attn, **fwd_cfg
         ).get_kernel_source()
     }
     # The backward's kernels in their packed mode: no batch, no lengths (dynamic).
     backward = fast_bwd.backward_kernels(
-        None, None, dim, causal, scale, dtype, cfg, heads // heads_kv, layout="thd",
-        lse_align=STATS_ALIGN,
+        None, None, dim, causal, scale, dtype, cfg, heads // heads_kv, layout="thd"
     )  # fmt: skip
     for name, (fn, args, kw) in backward.items():
         sources[name] = harness.compile_for(fn, arch, None, heads, *args, **kw).get_kernel_source()

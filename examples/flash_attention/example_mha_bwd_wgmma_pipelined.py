@@ -204,15 +204,6 @@ def tile_start(q_offset, b, block_N):
     return q_offset // block_N + b
 
 
-def lse_start(q_offset, b, lse_align):
-    """Packed layout: the column of sequence ``b``'s first row in the forward's ``lse [H, n]``
-    when each sequence starts on a multiple of ``lse_align`` columns, the next multiple at or
-    after ``q_offset`` counting ``lse_align − 1`` columns of slack per earlier sequence (1:
-    FlashAttention's ``[H, total_q]``; example_gqa_bwd_tma_reduce_varlen.py's forward aligns
-    to 4 floats)."""
-    return (q_offset + (lse_align - 1) * b) // lse_align * lse_align
-
-
 def stats_tile(X, layout, b, h, k, n):
     """Query block ``k``'s ``n`` rows of lse2 or Delta: ``X [B, H, S_pad]`` with ``b`` the batch
     entry, or (``"thd"``) ``X [H, tiles, n]`` with ``b`` the sequence's first tile."""
@@ -275,19 +266,17 @@ def padded_len(seq_q, block_N):
 
 # ----------------------------------------------------------------------------- backward kernels
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def flash_bwd_prep(
-    batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64, layout="bshd", lse_align=1
-):
+def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64, layout="bshd"):
     """delta = Σ_d O ∘ dO and lse2 = lse · log2 e per query row, padded to ``seq_q_pad`` rows
     (padding: delta 0, lse2 +inf).
 
     ``layout="thd"``: packed sequences (``batch``, ``seq_q``, ``seq_q_pad`` are None: the sizes
     are dynamic), one thread block per query tile of ``block`` (the backward's ``block_N``)
     rows, written at the sequence's tiles (``tile_start``), each padded like the dense rows;
-    ``lse`` is the forward's ``[H, n]``, each sequence at ``lse_start(…, lse_align)``."""
+    ``lse`` is the forward's ``[H, total_q]`` (FlashAttention's packed layout)."""
     accum_dtype = "float32"
     if layout == "thd":
-        return _flash_bwd_prep_packed(heads, dim, dtype, block, lse_align)
+        return _flash_bwd_prep_packed(heads, dim, dtype, block)
     shape = layout_shape(layout, batch, seq_q, heads, dim)
 
     @T.prim_func
@@ -322,7 +311,7 @@ def flash_bwd_prep(
     return flash_bwd_prep
 
 
-def _flash_bwd_prep_packed(heads, dim, dtype, block, lse_align):
+def _flash_bwd_prep_packed(heads, dim, dtype, block):
     """flash_bwd_prep's ``"thd"`` kernel (see there)."""
     accum_dtype = "float32"
     total_q, batch, n_tiles, lse_len = T.dynamic("total_q, batch, n_tiles, lse_len")
@@ -356,12 +345,11 @@ def _flash_bwd_prep_packed(heads, dim, dtype, block, lse_align):
                     )
                 T.reduce_sum(prod, delta, dim=1)
                 tile = tile_start(q_offset, bz, block) + bx
-                lse0 = lse_start(q_offset, bz, lse_align)
                 for i in T.Parallel(block):
                     row = bx * block + i
                     if row < seq_len_q:
                         Delta[by, tile, i] = delta[i]
-                        lse2[by, tile, i] = lse[by, lse0 + row] * LOG2E
+                        lse2[by, tile, i] = lse[by, q_offset + row] * LOG2E
                     else:
                         Delta[by, tile, i] = 0
                         lse2[by, tile, i] = T.infinity(accum_dtype)
@@ -1024,13 +1012,13 @@ def run_backward(
 
 def run_backward_varlen(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-    softmax_scale, config=None, lse_align=1,
+    softmax_scale, config=None,
 ):  # fmt: skip
     """The backward on packed sequences (``layout="thd"``), for
     example_gqa_bwd_tma_reduce_varlen.py: ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]``,
     ``cu_seqlens_q/k`` int32 ``[B + 1]``, ``max_seqlen_q/k`` at least the longest sequence,
-    ``lse`` the forward's ``[H, n]`` (each sequence at ``lse_start(…, lse_align)``; natural
-    log, +inf for a row that sees no key). Returns ``dq, dk, dv``."""
+    ``lse`` the forward's ``[H, total_q]`` (natural log, +inf for a row that sees no key).
+    Returns ``dq, dk, dv``."""
     (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
     if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -1044,7 +1032,7 @@ def run_backward_varlen(
     # the tiles between sequences are never read.
     delta = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
-    prep = flash_bwd_prep(None, H, None, None, D, dtype, block_N, "thd", lse_align)
+    prep = flash_bwd_prep(None, H, None, None, D, dtype, block_N, "thd")
     prep(out, dout, lse, cu_seqlens_q, max_seqlen_q, delta, lse2)
     # dQᵀ tiles, float32, one per query tile: a sum of reduce-adds, so it starts at zero.
     dq_accum = torch.zeros(n_tiles, H, D * block_N, dtype=torch.float32, device=q.device)
@@ -1232,19 +1220,19 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
 
 def backward_kernels(
     seq_q, seq_k, dim, causal, softmax_scale, dtype, config, groups=1, window=(-1, -1),
-    layout="bshd", lse_align=1,
+    layout="bshd",
 ):  # fmt: skip
     """The backward's three kernel factories and their arguments after ``(batch, heads)``:
     name → (factory, args, kwargs). ``compile_all`` builds them, here, in example_gqa_bwd.py
     (``groups`` query heads a kv head), in example_gqa_sink_bwd_bhsd.py (a window, BHSD) and
     in example_gqa_bwd_tma_reduce_varlen.py (``layout="thd"``: packed sequences, the lengths
-    and the batch None, as they are dynamic; ``lse_align``: see ``lse_start``)."""
+    and the batch None, as they are dynamic)."""
     packed = layout == "thd"
     seq_q_pad = None if packed else padded_len(seq_q, config["block_N"])
     bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
     prep_kw = {"layout": layout}
     if packed:  # one thread block a query tile, lse in the forward's layout
-        prep_kw.update(block=config["block_N"], lse_align=lse_align)
+        prep_kw.update(block=config["block_N"])
     return {
         "flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), prep_kw),
         "flash_bwd_varlen" if packed else "flash_bwd": (
