@@ -771,15 +771,26 @@ def test_backward_saves_only_what_it_uses_and_takes_expanded_dout(poisoned_empty
 @pytest.mark.gpu
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_new_batch_does_not_recompile(script):
-    """Two batches with different token counts and batch sizes run on one compiled kernel."""
+    """Two batches with different token counts and batch sizes run on one compiled kernel each
+    (the backward script: its forward, imported from example_gqa_fwd_varlen.py, and the packed
+    backward's three kernels)."""
     mod = load_script(script)
+    factories = [mod.flashattn_fwd_varlen] if script != GQA_BWD else [
+        mod.fwd.flashattn_fwd_varlen,
+        mod.fast_bwd.flash_bwd_prep,
+        mod.fast_bwd.flash_bwd,
+        mod.fast_bwd.flash_bwd_post,
+    ]  # fmt: skip
     H, Hkv = heads_for(script, 8, 2)
     for lens in ([17, 300], [1, 2, 3, 500, 64]):
-        q, k, v, _, *varlen = make_varlen(lens, lens, H, Hkv, 64, torch.float16, "cuda")
-        mod.attention_varlen(q, k, v, *varlen, causal=True)
+        q, k, v, dout, *varlen = make_varlen(lens, lens, H, Hkv, 64, torch.float16, "cuda")
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = mod.attention_varlen(*leaves, *varlen, causal=True)
+        if script == GQA_BWD:
+            torch.autograd.grad(out, leaves, dout)
         if lens[0] == 17:
-            built = len(mod.flashattn_fwd_varlen._kernel_cache)
-    assert len(mod.flashattn_fwd_varlen._kernel_cache) == built
+            built = [len(f._kernel_cache) for f in factories]
+    assert [len(f._kernel_cache) for f in factories] == built
 
 
 @pytest.mark.gpu
