@@ -524,12 +524,12 @@ def _pairs(case):
     return {((a, va), (b, vb)) for (a, va), (b, vb) in itertools.combinations(items, 2)}
 
 
-def pairwise_cases():
+def pairwise_cases(factors=FACTORS):
     """A small set of cases holding every pair of factor values (greedy, deterministic): the
     full product is 1024 cases, each its own kernel build."""
-    names = list(FACTORS)
+    names = list(factors)
     product = [
-        dict(zip(names, values, strict=True)) for values in itertools.product(*FACTORS.values())
+        dict(zip(names, values, strict=True)) for values in itertools.product(*factors.values())
     ]  # noqa: E501
     uncovered = set().union(*(_pairs(c) for c in product))
     cases = []
@@ -1161,18 +1161,6 @@ VARLEN_FACTORS = {
 }
 
 
-def varlen_pairwise_cases():
-    names = list(VARLEN_FACTORS)
-    product = [dict(zip(names, v, strict=True)) for v in itertools.product(*VARLEN_FACTORS.values())]
-    uncovered = set().union(*(_pairs(c) for c in product))
-    cases = []
-    while uncovered:
-        best = max(product, key=lambda c: len(_pairs(c) & uncovered))
-        cases.append(best)
-        uncovered -= _pairs(best)
-    return cases
-
-
 def _varlen_case_id(c):
     dt = "f16" if c["dtype"] == torch.float16 else "bf16"
     return (
@@ -1195,7 +1183,7 @@ def check_varlen(mod, lengths, H, Hkv, D, window, causal, sinks, dtype, cfg=None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", varlen_pairwise_cases(), ids=_varlen_case_id)
+@pytest.mark.parametrize("case", pairwise_cases(VARLEN_FACTORS), ids=_varlen_case_id)
 def test_varlen_forward_matches_reference(case, poisoned_empty):
     mod = load_script(VARLEN)
     check_varlen(

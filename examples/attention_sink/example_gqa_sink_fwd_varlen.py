@@ -435,9 +435,7 @@ def flashattn_fwd_varlen(
                                 key_step(kv_count + k, n_start + k, True, *step_buffers)
                         else:
                             for k in T.serial(1, n_blocks):
-                                key_step(
-                                    kv_count + k, n_start + k, k >= n_inner_end, *step_buffers
-                                )
+                                key_step(kv_count + k, n_start + k, k >= n_inner_end, *step_buffers)
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 
@@ -578,8 +576,8 @@ def attention_forward(
     del max_seqlen_q  # the tile list comes from the lengths themselves
     H, D = q.shape[1:]
     values_q, values_k = tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k))
-    longest_q = max((b - a for a, b in zip(values_q[:-1], values_q[1:])), default=0)
-    longest_k = max((b - a for a, b in zip(values_k[:-1], values_k[1:])), default=0)
+    longest_q = max((b - a for a, b in zip(values_q[:-1], values_q[1:], strict=True)), default=0)
+    longest_k = max((b - a for a, b in zip(values_k[:-1], values_k[1:], strict=True)), default=0)
     window = normalize_window(window_size, causal, longest_q, longest_k)
     cfg = config or default_config(D, window, varlen.device_arch(q.device), longest_k)
     out = torch.empty_like(q)
