@@ -1,7 +1,9 @@
-"""Small ragged causal forwards + backwards of the hand-scheduled backward — MHA, GQA
-(example_gqa_bwd.py's group strategy, four query heads a kv head) and attention sinks with a
+"""Small ragged causal forwards + backwards of the hand-scheduled kernels — MHA, GQA
+(example_gqa_bwd.py's group strategy, four query heads a kv head), attention sinks with a
 window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges, key blocks no query
-reaches) — for compute-sanitizer (not collected by pytest). On an H100, from the repository root:
+reaches) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen
+forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and partial blocks) — for
+compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
@@ -46,3 +48,19 @@ for D in (64, 128):
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
         print(f"sink D{D} Sq{Sq} Sk{Sk} window {window}: finite", finite)
+
+varlen = load_script("flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
+lens_q, lens_k = [200, 0, 17, 130], [333, 5, 17, 64]
+cu_q, cu_k = ([0] + [sum(lens[: i + 1]) for i in range(len(lens))] for lens in (lens_q, lens_k))
+cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in (cu_q, cu_k))
+for D in (64, 128):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(n, heads, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        for n, heads in ((sum(lens_q), 4), (sum(lens_k), 1), (sum(lens_k), 1), (sum(lens_q), 4))
+    )
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = varlen.attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    print(f"varlen D{D}: finite", all(bool(torch.isfinite(t).all()) for t in (out, *grads)))

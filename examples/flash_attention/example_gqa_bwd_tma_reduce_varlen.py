@@ -9,9 +9,9 @@ attention mask into this form and back, and gradients flow through both.
 
 The forward is example_gqa_fwd_varlen.py's persistent, hand-scheduled kernel, imported from
 beside this file; it also writes the row log-sum-exp ``lse`` (``[H, total_q]``, FlashAttention's
-layout) for the backward. The backward is example_mha_bwd_wgmma_pipelined.py's hand-scheduled Hopper
-backward (FlashAttention-3's schedule; read that script first), imported from beside this file
-and run in its packed mode (``layout="thd"``). Per thread block of 128 keys of one kv head: a
+layout) for the backward. The backward is example_mha_bwd_wgmma_pipelined.py's hand-scheduled
+Hopper backward (FlashAttention-3's schedule; read that script first), imported from beside this
+file and run in its packed mode (``layout="thd"``). Per thread block of 128 keys of one kv head: a
 producer warpgroup whose warp 0 loads K and V once and each step's Q (with lse) and dO (with
 delta) by TMA into a ring of buffers guarded by mbarriers, and whose warp 1 adds each step's
 float32 dQ tile into a global accumulator with one TMA bulk reduce-add

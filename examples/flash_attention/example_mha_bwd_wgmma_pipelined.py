@@ -901,7 +901,7 @@ def default_config(dim, arch="sm_90a"):
     this grid's order (every key block of a head, then the next head) keeps them together.
     For causal GQA, where a thread block walks every head of its group and the first key blocks
     run longest, one thread block taking two key blocks (bx and the last − bx, so that all walk
-    the same number of steps) lost 1-7% on ten H32/Hkv8 and H64/Hkv8 rows (2026-11-23; S4096
+    the same number of steps) lost 0.5-7% on ten H32/Hkv8 and H64/Hkv8 rows (2026-11-23; S4096
     D128 bf16: 421 against 444 TFLOP/s): the second block's K and V load waits for the first
     one's epilogue.
     """
