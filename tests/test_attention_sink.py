@@ -518,12 +518,12 @@ def _pairs(case):
     return {((a, va), (b, vb)) for (a, va), (b, vb) in itertools.combinations(items, 2)}
 
 
-def pairwise_cases():
+def pairwise_cases(factors=FACTORS):
     """A small set of cases holding every pair of factor values (greedy, deterministic): the
     full product is 1024 cases, each its own kernel build."""
-    names = list(FACTORS)
+    names = list(factors)
     product = [
-        dict(zip(names, values, strict=True)) for values in itertools.product(*FACTORS.values())
+        dict(zip(names, values, strict=True)) for values in itertools.product(*factors.values())
     ]  # noqa: E501
     uncovered = set().union(*(_pairs(c) for c in product))
     cases = []
@@ -969,3 +969,235 @@ def test_backward_dq_atomics_follow_the_layout(D):
     dq_lines = [line for line in src.splitlines() if "AtomicAdd((&(dQ[" in line]
     assert dq_lines and all("& 1) * 32)" in line for line in dq_lines)
     assert atomics("dK") == atomics("dV") == {"AtomicAddx4"}
+
+
+# ----------------------------------------------------------------------------- varlen forward
+# example_gqa_sink_fwd_varlen.py: the same attention over packed sequences (cu_seqlens).
+VARLEN = "attention_sink/example_gqa_sink_fwd_varlen.py"
+# (query length, key length) per sequence: empty sequences, one token, Sq != Sk both ways.
+RAGGED = [(0, 5), (1, 1), (17, 30), (30, 17), (3, 0), (9, 9), (0, 0), (40, 12)]
+
+
+def make_varlen_inputs(lengths, H, Hkv, D, dtype=torch.float32, device="cpu", sinks=True):
+    """Packed q [total_q, H, D], k, v [total_k, Hkv, D], cu_seqlens_q/k int32, the max lengths
+    and sinks (float32 [H] or None) for sequences of the given (query, key) lengths."""
+    g = torch.Generator().manual_seed(len(lengths) * 100 + H + D)
+    len_q, len_k = ([pair[i] for pair in lengths] for i in (0, 1))
+    cu_q, cu_k = (
+        torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (len_q, len_k)
+    )
+    q = torch.randn(sum(len_q), H, D, generator=g)
+    k, v = (torch.randn(sum(len_k), Hkv, D, generator=g) for _ in range(2))
+    s = torch.randn(H, generator=g) * 2 if sinks else None
+    q, k, v = (t.to(device, dtype) for t in (q, k, v))
+    return (q, k, v, cu_q.to(device), cu_k.to(device), max(len_q, default=0),
+            max(len_k, default=0), s if s is None else s.to(device))  # fmt: skip
+
+
+def direct_varlen(q, k, v, cu_q, cu_k, sinks, window, causal, scale):
+    """Float64, sequence by sequence with ``direct`` (the window as a loop-built mask, the sink
+    as an extra logit column): out [total_q, H, D], lse [H, total_q]."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float64)
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        o, l_ = direct(qb, kb, vb, sinks, window, causal, scale)
+        out[q0:q1], lse[:, q0:q1] = o[0].transpose(0, 1), l_[0]
+    return out, lse
+
+
+@pytest.mark.parametrize("window", [*WINDOWS, (1024, 0), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_varlen_reference_matches_direct_float64(window, causal, groups):
+    """Ragged batches with empty sequences (no queries, no keys, neither) and Sq != Sk: the
+    reference gives the direct computation's numbers, sequence by sequence."""
+    mod = load_script(VARLEN)
+    *args, sinks = make_varlen_inputs(RAGGED, 4, 4 // groups, 16, torch.float64)
+    q, k, v, cu_q, cu_k, max_q, max_k = args
+    for s in (sinks, None):
+        s = s if s is None else s.float()
+        out, lse = mod.ref_program(*args, s, window, causal, 0.3, return_lse=True)
+        ref_out, ref_lse = direct_varlen(q, k, v, cu_q, cu_k, s, window, causal, 0.3)
+        assert lse.shape == (4, q.shape[0])
+        torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+
+
+def test_varlen_tile_schedule_lists_every_tile_once():
+    """Every (query block, head, sequence) of a sequence with queries exactly once, none of an
+    empty one; each tile charged its window's key blocks (window_key_blocks) plus one; the
+    thread blocks' loads within one heaviest tile of each other round by round."""
+    mod = load_script(VARLEN)
+    lengths = [(0, 5), (1, 1), (300, 300), (17, 1000), (1000, 17), (5, 0), (700, 700)]
+    cu_q = [0, *itertools.accumulate(p[0] for p in lengths)]
+    cu_k = [0, *itertools.accumulate(p[1] for p in lengths)]
+    for window in ((-1, -1), (-1, 0), (128, 0), (64, 64)):
+        for num_sms in (1, 7, 132):
+            table = mod.tile_schedule(cu_q, cu_k, 3, 64, 32, window, num_sms)
+            entries = [tuple(e) for e in table.reshape(-1, 3).tolist() if e[2] >= 0]
+            expect = {
+                (m, h, b)
+                for b, (sq, _) in enumerate(lengths)
+                for h in range(3)
+                for m in range(math.ceil(sq / 64))
+            }
+            assert len(entries) == len(expect) and set(entries) == expect, (window, num_sms)
+            assert table.shape[1] == min(num_sms, len(expect))
+            for m, _, b in entries[:20]:
+                sq, sk = lengths[b]
+                n = int(mod.window_key_blocks(m, 64, 32, sq, sk, *window)[1])
+                cost = mod.tile_costs(*(torch.tensor([x]) for x in (sq, sk, m)), 64, 32, window)
+                assert int(cost) == n + 1
+
+
+def test_varlen_script_contract():
+    import ast
+
+    mod = load_script(VARLEN)
+    params = list(inspect.signature(mod.attention_varlen).parameters)
+    assert params == [
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "sinks",
+        "window_size", "causal", "softmax_scale", "return_lse", "config",
+    ]  # fmt: skip
+    assert list(inspect.signature(mod.ref_program).parameters) == params[:-1]
+    source = (EXAMPLES / VARLEN).read_text()
+    kernels = [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef)
+        and any(ast.unparse(d) == "T.prim_func" for d in node.decorator_list)
+    ]
+    assert kernels == ["flash_fwd_varlen"]
+    macros = set(re.findall(r"@T\.macro\n    def (\w+)", source))
+    assert {"load_q", "load_kv", "scores", "mask", "softmax", "rescale", "pv", "epilogue"} <= macros
+    args = mod.build_parser().parse_args(["--window", "128", "0", "--no-sinks"])
+    assert args.window == [128, 0] and args.sinks is False
+
+
+def test_varlen_bad_sinks_and_windows_raise_value_error():
+    mod = load_script(VARLEN)
+    *args, sinks = make_varlen_inputs([(5, 7), (3, 4)], 4, 2, 64, torch.float16)
+    cases = [
+        (dict(sinks=sinks[:2]), "sinks must be \\[heads\\]"),
+        (dict(sinks=sinks.half()), "sinks must be float32"),
+        (dict(sinks=sinks.tolist()), "sinks must be a torch.Tensor"),
+        (dict(sinks=sinks.to("meta")), "sinks must be on q's"),
+        (dict(sinks=sinks, window_size=(-2, 0)), "window_size"),
+        (dict(sinks=sinks, window_size=(1, 2, 3)), "window_size"),
+        (dict(sinks=sinks, window_size=(1.0, 0)), "window_size"),
+        (dict(sinks=None, window_size=(128, 0), causal=True), "CUDA tensor"),  # valid
+    ]
+    for kwargs, fragment in cases:
+        with pytest.raises(ValueError, match=fragment):
+            mod.attention_varlen(*args, **kwargs)
+
+
+VARLEN_BUILDS = [  # (D, window as the kernel takes it, longest key sequence, sinks, dtype, groups)
+    (64, (-1, -1), 4096, True, "float16", 8),
+    (64, (-1, 0), 4096, True, "bfloat16", 1),
+    (64, (-1, 0), 1000, False, "float16", 8),
+    (64, (128, 0), 4096, True, "bfloat16", 8),
+    (64, (64, 64), 4096, True, "float16", 1),
+    (128, (-1, -1), 4096, False, "bfloat16", 1),
+    (128, (1024, 0), 4096, True, "float16", 8),
+    (128, (64, 64), 4096, True, "bfloat16", 8),
+]
+
+
+@pytest.mark.parametrize("build", VARLEN_BUILDS, ids=str)
+def test_varlen_sm90_build_spills_nothing(build):
+    """The default tiles for each kind of window: the producer/consumer split, TMA, WGMMA with
+    the softmax overlapping P V; ptxas: no spills, no stack, no serialized WGMMA."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(VARLEN)
+    D, window, longest_k, sinks, dtype, groups = build
+    cfg = mod.default_config(D, window, "sm_90a", longest_k)
+    args = (16, 16 // groups, D, *window, sinks, 1 / math.sqrt(D), dtype)
+    src = harness.compile_for(mod.flashattn_fwd_varlen, "sm_90a", *args, **cfg).get_kernel_source()
+    regs = min(240, (65536 - 128 * 24) // (2 * cfg["block_M"]) // 8 * 8)
+    assert "warpgroup_reg_dealloc<24>" in src and f"warpgroup_reg_alloc<{regs}>" in src
+    assert "tma_load" in src and "wgmma_ss" in src and "wgmma_rs" in src
+    assert ("Sinks[" in src) == sinks
+    runs = 3 if window[0] >= 0 else 1  # the key loop: three runs with a left edge, else one
+    assert src.count("wait_wgmma<1>") == runs
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "Potential Performance Loss" not in report, report
+
+
+def test_varlen_compile_only_main(capsys):
+    argv = ["--compile-only", "--dim", "64", "--heads", "8", "--window", "64", "0", "--causal"]
+    load_script(VARLEN).main(argv)
+    out = capsys.readouterr().out
+    assert "built for sm_90a" in out and "wgmma" in out and "(64, 0)" in out
+
+
+# GPU: the correctness matrix on ragged batches (lengths 0, 1, 17, 255, 1000; Sq != Sk).
+VARLEN_BATCHES = {
+    "ragged": [(17, 17), (0, 0), (1000, 1000), (1, 1), (255, 255), (0, 17)],
+    "sq_ne_sk": [(255, 1000), (1000, 255), (1, 17), (17, 0), (255, 1)],
+}
+VARLEN_FACTORS = {
+    "batch": list(VARLEN_BATCHES),
+    "window": GPU_WINDOWS,
+    "sinks": [True, False],
+    "causal": [False, True],
+    "groups": [1, 8],
+    "dtype": [torch.float16, torch.bfloat16],
+    "dim": [64, 128],
+}
+
+
+def _varlen_case_id(c):
+    dt = "f16" if c["dtype"] == torch.float16 else "bf16"
+    return (
+        f"{c['batch']}-w{c['window'][0]}_{c['window'][1]}-"
+        f"{'causal' if c['causal'] else 'full'}-{'sinks' if c['sinks'] else 'nosinks'}-"
+        f"g{c['groups']}-D{c['dim']}-{dt}"
+    )
+
+
+def check_varlen(mod, lengths, H, Hkv, D, window, causal, sinks, dtype, cfg=None):
+    *args, s = make_varlen_inputs(lengths, H, Hkv, D, dtype, "cuda", sinks)
+    out, lse = mod.attention_varlen(*args, s, window, causal, return_lse=True, config=cfg)
+    ref_out, ref_lse = mod.ref_program(*args, s, window, causal, return_lse=True)
+    assert rel_err(out, ref_out) < 1e-2  # fp16/bf16 output
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isposinf(lse), ~finite)  # rows that see no key: lse +inf
+    assert rel_err(lse[finite], ref_lse[finite]) < 1e-4
+    assert torch.all(out.transpose(0, 1)[~finite] == 0)  # … and out 0
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", pairwise_cases(VARLEN_FACTORS), ids=_varlen_case_id)
+def test_varlen_forward_matches_reference(case, poisoned_empty):
+    mod = load_script(VARLEN)
+    check_varlen(
+        mod, VARLEN_BATCHES[case["batch"]], 8, 8 // case["groups"], case["dim"], case["window"],
+        case["causal"], case["sinks"], case["dtype"],
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,cfg", _tune_cases(), ids=lambda x: str(x))
+def test_varlen_tune_space_is_correct(dim, cfg, poisoned_empty):
+    mod = load_script(VARLEN)
+    lengths = [(300, 333), (17, 0), (1, 1), (200, 150)]
+    check_varlen(mod, lengths, 4, 2, dim, (50, 0), True, True, torch.float16, cfg=cfg)
+    check_varlen(mod, lengths, 4, 4, dim, (100, 30), False, True, torch.bfloat16, cfg=cfg)
+
+
+@pytest.mark.gpu
+def test_varlen_main_small(capsys):
+    argv = ["--batch", "4", "--heads", "8", "--seq_len", "1000", "--dim", "64"]
+    load_script(VARLEN).main([*argv, "--window", "128", "0", "--causal"])
+    out = capsys.readouterr().out
+    assert "out " in out and "lse " in out and "tilelang varlen" in out

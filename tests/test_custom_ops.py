@@ -994,3 +994,59 @@ def test_compiled_sink_model_matches_eager(script, window, causal, sinks, dtype)
     assert ("dsinks" in names) == sinks
     compare(got[:1], eager[:1], 1e-2, ["out"])  # fp16/bf16 forward
     compare(got[1:], eager[1:], 2e-2, names)  # fp16/bf16 gradients
+
+
+# ----------------------------------------------------------------------------- CPU: varlen sinks
+# example_gqa_sink_fwd_varlen.py: the varlen forward's arguments, then the sink forward's two.
+SINK_VARLEN = "attention_sink/example_gqa_sink_fwd_varlen.py"
+SINK_VARLEN_SCHEMA = (
+    "tl_attn::gqa_sink_fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? sinks, "
+    "SymInt window_size_left, SymInt window_size_right, bool causal, float softmax_scale, "
+    "SymInt[]? config) -> (Tensor, Tensor)"
+)
+
+
+def sink_varlen_inputs(sinks=True, device="cuda", **sizes):
+    """The varlen operator's arguments up to sinks: q, k, v, cu_seqlens, max lengths (``inputs``
+    for the varlen GQA forward), sinks float32 [H] or None."""
+    args = inputs("flash_attention/example_gqa_fwd_varlen.py", device=device, **sizes)
+    return (*args, torch.empty(args[0].shape[1], device=device) if sinks else None)
+
+
+def test_sink_varlen_operator_schema():
+    mod = load_script(SINK_VARLEN)
+    assert str(mod.attention_forward_op._opoverload._schema) == SINK_VARLEN_SCHEMA
+
+
+@pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no_sinks"])
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window,causal", SINK_WINDOWS, ids=["full", "causal-128", "3-2"])
+def test_sink_varlen_fake_outputs_are_shaped_like_the_real_ones(
+    sinks, groups, dtype, window, causal, no_kernels
+):
+    """Under FakeTensorMode: out like q, lse float32 [H, total_q] and contiguous; the public
+    function likewise."""
+    mod = no_kernels(SINK_VARLEN)
+    with FakeTensorMode():
+        args = sink_varlen_inputs(sinks, H=8, Hkv=8 // groups, dtype=dtype)
+        q = args[0]
+        out, lse = mod.attention_forward_op(*args, *window, causal, 0.125, None)
+        assert (out.shape, out.stride(), out.dtype) == (q.shape, q.stride(), q.dtype)
+        assert (lse.shape, lse.dtype, lse.is_contiguous()) == (
+            (q.shape[1], q.shape[0]), torch.float32, True,
+        )  # fmt: skip
+        out, lse = mod.attention_varlen(*args, window, causal, return_lse=True)
+        assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+
+
+@pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no_sinks"])
+def test_sink_varlen_opcheck_on_meta_tensors(sinks, no_kernels):
+    """torch.library.opcheck, every test it has, on meta tensors (the fake implementation)."""
+    mod = no_kernels(SINK_VARLEN)
+    args = sink_varlen_inputs(sinks, device="meta")
+    tiles = list(mod.default_config(64).values())
+    torch.library.opcheck(
+        mod.attention_forward_op, (*args, 128, 0, True, 0.125, tiles), test_utils=OPCHECK_TESTS
+    )

@@ -27,6 +27,7 @@ SCRIPTS = {
     "flash_attention/example_gqa_fwd_varlen.py": (HOPPER, (64, 128)),
     "flash_attention/example_gqa_bwd_tma_reduce_varlen.py": (HOPPER, (64, 128)),
     "attention_sink/example_gqa_sink_fwd_bhsd.py": (HOPPER, (64, 128)),
+    "attention_sink/example_gqa_sink_fwd_varlen.py": (HOPPER, (64, 128)),
     "flash_attention_sm100/mha_fwd_bshd.py": (BLACKWELL, (64, 128)),
     "flash_attention_sm100/gqa_fwd_bshd.py": (BLACKWELL, (64, 128)),
     "flash_attention_sm100/mha_bwd_bshd.py": (BLACKWELL, (64, 128)),

@@ -1,0 +1,840 @@
+"""Attention with sinks and a sliding window (gpt-oss style), GQA forward, variable-length (packed)
+batches, TileLang on Hopper (SM90).
+
+The attention of example_gqa_sink_fwd_bhsd.py (read its docstring for the semantics) over the
+packed layout of examples/flash_attention/example_gqa_fwd_varlen.py:
+
+    q [total_q, H, D]    k, v [total_k, Hkv, D]    cu_seqlens_q, cu_seqlens_k: int32 [B + 1]
+
+Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key rows
+``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; its queries attend to its own keys only, and query and
+key lengths may differ per sequence. Per sequence, with its own lengths ``Sq`` and ``Sk``:
+
+- the sliding window ``window_size = (left, right)``: query ``i`` sees key ``j`` when
+  ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (``-1``: no bound on that side; bottom-right
+  aligned within the sequence). ``causal=True`` sets ``right = 0``, as FlashAttention does;
+- the sinks: one extra logit per query head, ``sinks[h]`` (float32), that joins each row's
+  softmax denominator but has no value vector, so a row may give less than all of its weight to
+  the keys. ``sinks=None`` is plain attention. ``lse`` includes the sink.
+
+A query row that sees no key (a sequence without keys, rows before a causal diagonal, a window
+that ends before key 0) gives ``out = 0`` and ``lse = +inf``, with or without a sink.
+
+The kernel is the persistent warp-specialized varlen forward (a producer warpgroup loading Q and
+a K/V ring by TMA at each sequence's packed offset, consumer warpgroups with asynchronous WGMMA
+and ``setmaxnreg``, one thread block per SM walking a tile list built on the host, guarded stores
+of a sequence's last partial query block) with the BHSD sink forward's two additions:
+
+- a tile's key loop covers only the key blocks of its window (``window_key_blocks``) and masks
+  only the blocks that straddle an edge (``window_mask_runs``: with a left edge the loop runs
+  in three parts, masked, whole, masked). Both functions come from example_gqa_sink_fwd_bhsd.py
+  and here take the sequence's lengths as run-time values, read from ``cu_seqlens`` in the
+  kernel. The producer and the consumers call them alike, so they walk the same blocks and agree
+  on the ring's stages and barrier phases; the host's tile list (``tile_schedule``) charges each
+  tile the same blocks, so the thread blocks get balanced work under any window;
+- the sink is folded into the softmax once per row, in the epilogue, as in the BHSD forward.
+
+Reused from the sibling scripts (imported, not copied): the window helpers, ``normalize_window``,
+the reference and the tile configurations from example_gqa_sink_fwd_bhsd.py; the ``cu_seqlens``
+checks, the host read of its values and the padded test batch from
+examples/flash_attention/example_gqa_fwd_varlen.py.
+
+API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.md):
+
+    attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     sinks=None, window_size=(-1, -1), causal=False, softmax_scale=None,
+                     return_lse=False, config=None)
+
+    q: (total_q, nheads, headdim), float16 or bfloat16, on a CUDA device; headdim 64 or 128.
+    k, v: (total_k, nheads_k, headdim), same dtype and device; nheads a multiple of nheads_k.
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,), int32, on q's device. Cumulative sequence
+        lengths, starting at 0.
+    max_seqlen_q, max_seqlen_k: int. At least the longest query / key sequence.
+    sinks: (nheads,), float32, on q's device, or None. One logit per query head, in the units of
+        the scaled scores QKᵀ · softmax_scale; -inf is allowed (no sink for that head).
+    window_size: (left, right), ints >= -1. The sliding window (above); -1 is unbounded.
+    causal: bool. right = 0 (bottom-right aligned per sequence), whatever window_size[1] says.
+    softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
+    return_lse: bool. Also return lse: (nheads, total_q), float32, natural log, including the
+        sink; +inf for a row that sees no key.
+    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
+    Returns out: (total_q, nheads, headdim), or (out, lse) when return_lse.
+
+Underneath, ``attention_varlen`` calls the custom operator ``tl_attn::gqa_sink_fwd_varlen``
+(``torch.library``), which also reads and checks the ``cu_seqlens`` values, so
+``torch.compile(model, fullgraph=True)`` compiles a model around it without a graph break.
+
+Run:
+    python examples/attention_sink/example_gqa_sink_fwd_varlen.py --causal --window 128 0
+    python examples/attention_sink/example_gqa_sink_fwd_varlen.py --window 64 64 --no-sinks
+    python examples/attention_sink/example_gqa_sink_fwd_varlen.py --compile-only --arch sm_90a
+"""
+
+import functools
+import math
+import pathlib
+import sys
+
+import tilelang
+import tilelang.language as T
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_gqa_sink_fwd_bhsd as sink  # noqa: E402  (the sibling BHSD sink forward)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "flash_attention"))
+import example_gqa_fwd_varlen as varlen  # noqa: E402  (the persistent varlen forward)
+
+LOG2E = sink.LOG2E
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+    # The kernel splits producer and consumers itself (below); no automatic warp specialization.
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+}
+HEAD_DIMS = (64, 128)
+ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
+PRODUCER_REGS = 24
+# The window's key blocks and masked runs of a tile (example_gqa_sink_fwd_bhsd.py): on ints they
+# give ints, on the kernel's run-time lengths TileLang expressions.
+window_key_blocks = sink.window_key_blocks
+window_mask_runs = sink.window_mask_runs
+normalize_window = sink.normalize_window
+window_mask = sink.window_mask
+
+
+# ----------------------------------------------------------------------------- kernel
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd_varlen(
+    heads,
+    heads_kv,
+    dim,
+    window_left,  # -1 or >= 0, as normalised by normalize_window (causal is window_right = 0)
+    window_right,
+    has_sinks,
+    softmax_scale,
+    dtype="float16",
+    block_M=128,
+    block_N=128,
+    num_stages=2,
+):
+    accum_dtype = "float32"
+    groups = heads // heads_kv
+    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
+    neg_inf = -T.infinity(accum_dtype)
+    # Sizes that change from batch to batch are dynamic: no recompilation for a new batch. The
+    # tile list (tile_schedule) is [rounds, grid, 3], and its grid is the launch grid.
+    total_q, total_k, batch, rounds, grid = T.dynamic("total_q, total_k, batch, rounds, grid")
+    consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
+    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
+    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
+    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+
+    def key_range(m_blk, seq_len_q, seq_len_k):
+        # The tile's key blocks n_start … n_start + n_blocks − 1 (at least one: a tile whose
+        # rows see no key visits one block, masked whole, and writes O = 0, lse = +inf).
+        return window_key_blocks(
+            m_blk, block_M, block_N, seq_len_q, seq_len_k, window_left, window_right
+        )
+
+    def mask_runs(m_blk, n_start, n_blocks, seq_len_q, seq_len_k):
+        return window_mask_runs(
+            m_blk, n_start, n_blocks, block_M, block_N, seq_len_q, seq_len_k, window_left,
+            window_right,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the steps, named
+    # T.macro is inlined where it is called: the generated CUDA is the same as with the steps
+    # written out in the loops below.
+    @T.macro
+    def load_q(Q, Q_shared, q_full, q_empty, tile_count, q_row, by):
+        # Producer: wait until the consumers are done with the last tile's Q, then load this
+        # one from packed row q_row. A fresh mbarrier counts as having completed the phase
+        # before phase 0, so the first wait on an "empty" barrier (parity 1) passes at once.
+        # Rows past the sequence read the next sequence's queries (or zeros past the tensor):
+        # they are never stored.
+        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
+        T.tma_copy(Q[q_row : q_row + block_M, by, :], Q_shared, barrier=q_full)
+        T.barrier_arrive(q_full)
+
+    @T.macro
+    def load_kv(K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty, g, kv_row, by):
+        # Producer: the key block starting at packed row kv_row into ring slot g (stage
+        # g % num_stages, phase g // num_stages). Keys past the sequence are masked later.
+        stage = g % num_stages
+        phase = (g // num_stages) & 1
+        T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+        T.tma_copy(
+            K[kv_row : kv_row + block_N, by // groups, :], K_shared[stage, :, :],
+            barrier=k_full[stage],
+        )  # fmt: skip
+        T.barrier_arrive(k_full[stage])
+        T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+        T.tma_copy(
+            V[kv_row : kv_row + block_N, by // groups, :], V_shared[stage, :, :],
+            barrier=v_full[stage],
+        )  # fmt: skip
+        T.barrier_arrive(v_full[stage])
+
+    @T.macro
+    def scores(Q_shared, K_stage, acc_s):
+        # S = Q Kᵀ of one key block, issued asynchronously (the caller waits).
+        T.wgmma_gemm(
+            Q_shared,
+            K_stage,
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+
+    @T.macro
+    def pv(acc_s_cast, V_stage, acc_o):
+        # O += P V of one key block, issued asynchronously (the caller waits).
+        T.wgmma_gemm(acc_s_cast, V_stage, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def mask(kb, row0, seq_len_q, seq_len_k, acc_s):
+        # Scores outside the window, or past the sequence's keys (the next sequence's), become
+        # -inf. Called only on the blocks that window_mask_runs marks (and on the first block
+        # of a window bounded on the left).
+        for i, j in T.Parallel(block_M, block_N):
+            key = kb * block_N + j
+            centre = row0 + i + seq_len_k - seq_len_q  # bottom-right, per sequence
+            visible = key < seq_len_k
+            if window_right >= 0:
+                visible = visible and key <= centre + window_right
+            if window_left >= 0:
+                visible = visible and key >= centre - window_left
+            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        # Online softmax: fold the block into the running row max and row sum, and turn the
+        # scores into P = exp2(S·scale − max·scale). The sink is not here: see epilogue.
+        T.copy(scores_max, scores_max_prev)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            # A row that has seen no visible key yet keeps max = -inf; using 0 instead makes
+            # exp2 give 0 rather than NaN (-inf - -inf).
+            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        # What was accumulated under the old row max, brought to the new one.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def key_step(
+        g, kb, masked, row0, seq_len_q, seq_len_k, Q_shared, K_shared, V_shared, acc_s,
+        acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum, k_full,
+        v_full, k_empty, v_empty,
+    ):  # fmt: skip
+        # One key block after the first (ring slot g, key block kb of the sequence): issue
+        # S = Q K(kb)ᵀ and O += P V of the previous block back to back (asynchronous WGMMA),
+        # wait for S only, and run its softmax while the P V GEMM still occupies the tensor
+        # cores.
+        stage = g % num_stages
+        prev = (g - 1) % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+        T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+        scores(Q_shared, K_shared[stage, :, :], acc_s)
+        pv(acc_s_cast, V_shared[prev, :, :], acc_o)
+        T.wait_wgmma(1)  # S is ready; the previous block's P V may still run
+        T.barrier_arrive(k_empty[stage])
+        if masked:
+            mask(kb, row0, seq_len_q, seq_len_k, acc_s)
+        softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+        T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+        T.barrier_arrive(v_empty[prev])
+        rescale(acc_o, scores_scale)
+        T.copy(acc_s, acc_s_cast)
+
+    @T.macro
+    def epilogue(
+        acc_o, logsum, scores_max, sink_logit, factor, row_lse, O_shared, Output, lse, q_offset,
+        row0, seq_len_q, by,
+    ):  # fmt: skip
+        # The sink joins the softmax here, once per row (example_gqa_sink_fwd_bhsd.py's epilogue
+        # explains it). In base-2 units, with m the running max, l the running sum:
+        #     m' = max(m, sink),  l' = l·exp2(m − m') + exp2(sink − m'),  O = a·exp2(m − m') / l'
+        # Both exponents are <= 0; l = 0 still says "no visible key" (O = 0, lse = +inf).
+        for i in T.Parallel(block_M):
+            m = scores_max[i] * scale
+            if has_sinks:
+                sink2 = sink_logit * LOG2E
+                m_sink = T.max(m, sink2)
+                ratio = T.exp2(m - m_sink)
+                total = logsum[i] * ratio + T.exp2(sink2 - m_sink)
+                factor[i] = T.if_then_else(logsum[i] > 0, ratio / total, 0)
+                row_lse[i] = T.if_then_else(
+                    logsum[i] > 0, (T.log2(total) + m_sink) / LOG2E, T.infinity(accum_dtype)
+                )
+            else:
+                factor[i] = T.if_then_else(logsum[i] > 0, 1.0 / logsum[i], 0)
+                row_lse[i] = T.if_then_else(
+                    logsum[i] > 0, (T.log2(logsum[i]) + m) / LOG2E, T.infinity(accum_dtype)
+                )
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= factor[i]
+        # Through shared memory. A block wholly inside the sequence leaves by one TMA store; the
+        # sequence's last, partial block by a guarded store of its own rows (a TMA box would
+        # overwrite the next sequence's first rows).
+        T.copy(acc_o, O_shared)
+        if row0 + block_M <= seq_len_q:
+            T.copy(O_shared, Output[q_offset + row0 : q_offset + row0 + block_M, by, :])
+        else:
+            for i, j in T.Parallel(block_M, dim):
+                if row0 + i < seq_len_q:
+                    Output[q_offset + row0 + i, by, j] = O_shared[i, j]
+        for i in T.Parallel(block_M):
+            if row0 + i < seq_len_q:
+                lse[by, q_offset + row0 + i] = row_lse[i]
+
+    @T.prim_func
+    def flash_fwd_varlen(
+        Q: T.Tensor([total_q, heads, dim], dtype),
+        K: T.Tensor([total_k, heads_kv, dim], dtype),
+        V: T.Tensor([total_k, heads_kv, dim], dtype),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        cu_seqlens_k: T.Tensor([batch + 1], "int32"),
+        tiles: T.Tensor([rounds, grid, 3], "int32"),
+        Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
+        Output: T.Tensor([total_q, heads, dim], dtype),
+        lse: T.Tensor([heads, total_q], accum_dtype),
+    ):
+        with T.Kernel(grid, threads=consumers + 128) as cta:
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
+            scores_max = T.alloc_fragment([block_M], accum_dtype)
+            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
+            scores_scale = T.alloc_fragment([block_M], accum_dtype)
+            scores_sum = T.alloc_fragment([block_M], accum_dtype)
+            logsum = T.alloc_fragment([block_M], accum_dtype)
+
+            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # arrive and its TMA load completes the byte count; "empty": every consumer thread
+            # arrives when it no longer reads the buffer. K and V stages have a pair each.
+            q_full = T.alloc_barrier(128)
+            q_empty = T.alloc_barrier(consumers)
+            k_full = T.alloc_barrier([128] * num_stages)
+            v_full = T.alloc_barrier([128] * num_stages)
+            k_empty = T.alloc_barrier([consumers] * num_stages)
+            v_empty = T.alloc_barrier([consumers] * num_stages)
+            # Both sides count the key blocks and tiles they have been through, so each knows
+            # which stage (g % num_stages) and barrier phase (g // num_stages) comes next. An
+            # empty entry of the list (bz < 0, the last round's padding) counts for neither.
+            kv_count = T.alloc_var("int32")
+            tile_count = T.alloc_var("int32")
+            kv_count = 0
+            tile_count = 0
+            # The current tile, read once into registers: its sequence bz, head by, query block
+            # m_blk within the sequence, and the sequence's packed offsets and lengths.
+            bz = T.alloc_var("int32")
+            by = T.alloc_var("int32")
+            m_blk = T.alloc_var("int32")
+            q_offset = T.alloc_var("int32")  # first packed row of the sequence's queries
+            k_offset = T.alloc_var("int32")  # and of its keys
+            seq_len_q = T.alloc_var("int32")
+            seq_len_k = T.alloc_var("int32")
+            sink_logit = T.alloc_var(accum_dtype)  # this tile's sink (consumers)
+            tx = T.get_thread_binding()
+
+            if tx >= consumers:
+                # ----------------------------------------------------------- producer warpgroup
+                T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
+                for it in T.serial(rounds):
+                    bz = tiles[it, cta, 2]  # < 0: no tile this round
+                    if bz >= 0:
+                        m_blk = tiles[it, cta, 0]
+                        by = tiles[it, cta, 1]
+                        q_offset = cu_seqlens_q[bz]
+                        k_offset = cu_seqlens_k[bz]
+                        seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                        seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                        n_start, n_blocks = key_range(m_blk, seq_len_q, seq_len_k)
+                        q_row = q_offset + m_blk * block_M
+                        load_q(Q, Q_shared, q_full, q_empty, tile_count, q_row, by)
+                        for k in T.serial(n_blocks):
+                            load_kv(
+                                K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+                                kv_count + k, k_offset + (n_start + k) * block_N, by,
+                            )  # fmt: skip
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
+            else:
+                # ---------------------------------------------------------- consumer warpgroups
+                T.set_max_nreg(consumer_regs, 1)
+                for it in T.serial(rounds):
+                    bz = tiles[it, cta, 2]
+                    if bz >= 0:
+                        m_blk = tiles[it, cta, 0]
+                        by = tiles[it, cta, 1]
+                        q_offset = cu_seqlens_q[bz]
+                        k_offset = cu_seqlens_k[bz]
+                        seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                        seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                        row0 = m_blk * block_M
+                        n_start, n_blocks = key_range(m_blk, seq_len_q, seq_len_k)
+                        n_left, n_inner_end = mask_runs(
+                            m_blk, n_start, n_blocks, seq_len_q, seq_len_k
+                        )
+                        lens = (row0, seq_len_q, seq_len_k)
+                        step_buffers = (
+                            *lens, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
+                            scores_max, scores_max_prev, scores_scale, scores_sum, logsum, k_full,
+                            v_full, k_empty, v_empty,
+                        )  # fmt: skip
+                        T.fill(acc_o, 0)
+                        T.fill(logsum, 0)
+                        T.fill(scores_max, neg_inf)
+                        if has_sinks:  # loaded now, used in the epilogue: its latency hides
+                            sink_logit = Sinks[by]
+                        T.mbarrier_wait_parity(q_full, tile_count & 1)
+
+                        # First key block of the window: S = Q Kᵀ, its softmax; P waits in
+                        # registers.
+                        stage = kv_count % num_stages
+                        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+                        scores(Q_shared, K_shared[stage, :, :], acc_s)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(k_empty[stage])
+                        if window_left >= 0:
+                            mask(n_start, *lens, acc_s)  # the left edge, or a tile of one block
+                        else:
+                            if n_inner_end == 0:
+                                mask(n_start, *lens, acc_s)
+                        softmax(
+                            acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
+                        )
+                        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
+
+                        # The other key blocks. A window bounded on the left: three runs, left
+                        # edge (masked), the blocks every row sees whole (no mask), right edge
+                        # and ragged tail (masked), so that no block decides at run time whether
+                        # to mask (that decision in the loop makes ptxas spill). A window open
+                        # on the left keeps the varlen kernel's single loop, each block testing
+                        # k >= n_inner_end (as the BHSD sink forward does).
+                        if window_left >= 0:
+                            for k in T.serial(1, n_left):
+                                key_step(kv_count + k, n_start + k, True, *step_buffers)
+                            for k in T.serial(T.max(1, n_left), n_inner_end):
+                                key_step(kv_count + k, n_start + k, False, *step_buffers)
+                            for k in T.serial(T.max(1, n_inner_end), n_blocks):
+                                key_step(kv_count + k, n_start + k, True, *step_buffers)
+                        else:
+                            for k in T.serial(1, n_blocks):
+                                key_step(kv_count + k, n_start + k, k >= n_inner_end, *step_buffers)
+                        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
+                        T.barrier_arrive(q_empty)
+
+                        g = kv_count + n_blocks - 1
+                        stage = g % num_stages
+                        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+                        pv(acc_s_cast, V_shared[stage, :, :], acc_o)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(v_empty[stage])
+
+                        # scores_scale and scores_sum are free now: they carry each row's
+                        # output factor and lse through the epilogue.
+                        epilogue(
+                            acc_o, logsum, scores_max, sink_logit, scores_scale, scores_sum,
+                            O_shared, Output, lse, q_offset, row0, seq_len_q, by,
+                        )  # fmt: skip
+                        kv_count = kv_count + n_blocks
+                        tile_count = tile_count + 1
+
+    return flash_fwd_varlen
+
+
+# ----------------------------------------------------------------------------- tile list
+def tile_costs(len_q, len_k, m_blk, block_M, block_N, window):
+    """Each tile's cost, as ``tile_schedule`` charges it: the key blocks the kernel visits
+    (``window_key_blocks`` on the tile's lengths, the same function the kernel runs) plus one for
+    loading Q and storing O. int64 tensors in, one out; computed once per distinct (query block,
+    lengths), since every head of a sequence costs the same."""
+    left, right = window
+    keys = torch.stack([m_blk, len_q, len_k], dim=1)
+    distinct, where = torch.unique(keys, dim=0, return_inverse=True)
+    blocks = [
+        int(window_key_blocks(m, block_M, block_N, sq, sk, left, right)[1])
+        for m, sq, sk in distinct.tolist()
+    ]
+    return torch.tensor(blocks, dtype=torch.int64)[where] + 1
+
+
+def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, num_sms):
+    """The persistent kernel's work list, from the cumulative lengths (Python ints) and the
+    window as the kernel takes it (``normalize_window``): int32 ``[rounds, grid, 3]``, entry
+    ``[r, cta]`` the (query block, head, sequence) thread block ``cta`` runs in round ``r``, or
+    ``(-1, -1, -1)`` for none (only in the last round). ``grid`` is at most ``num_sms``.
+
+    example_gqa_fwd_varlen.py's list (its ``tile_schedule`` explains the order: heaviest
+    sequences first, a sequence head by head, the query blocks of a head last to first, dealt
+    in rounds with the heaviest tile of a round going to the least loaded thread block), with
+    each tile charged the key blocks of its window (``tile_costs``)."""
+    cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int64)
+    cu_k = torch.tensor(cu_seqlens_k, dtype=torch.int64)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    m_blocks = (len_q + block_M - 1) // block_M
+    per_sequence = m_blocks * heads
+    seq = torch.repeat_interleave(torch.arange(len(len_q)), per_sequence)
+    j = torch.arange(len(seq)) - (torch.cumsum(per_sequence, 0) - per_sequence)[seq]
+    head = j // m_blocks[seq]
+    m_blk = m_blocks[seq] - 1 - j % m_blocks[seq]
+    cost = tile_costs(len_q[seq], len_k[seq], m_blk, block_M, block_N, window)
+    sequence_cost = torch.zeros(len(len_q), dtype=torch.int64).index_add_(0, seq, cost)
+    rank = torch.empty_like(sequence_cost)
+    rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
+    order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
+    entries = torch.stack([m_blk, head, seq], dim=1)[order]
+    cost = cost[order]
+
+    grid = max(1, min(num_sms, len(order)))
+    rounds = (len(order) + grid - 1) // grid
+    table = torch.full((rounds, grid, 3), -1, dtype=torch.int32)
+    load = torch.zeros(grid, dtype=torch.int64)  # the work each thread block has so far
+    for r in range(rounds):
+        this_round = slice(r * grid, (r + 1) * grid)
+        heaviest_first = torch.argsort(cost[this_round], descending=True, stable=True)
+        least_loaded = torch.argsort(load, stable=True)[: len(heaviest_first)]
+        table[r, least_loaded] = entries[this_round][heaviest_first].to(torch.int32)
+        load[least_loaded] += cost[this_round][heaviest_first]
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _device_tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, device):
+    """``tile_schedule`` on ``device`` for one thread block per SM, kept for the next call with
+    the same lengths and window (a model's layers share one batch's ``cu_seqlens``)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    table = tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, num_sms)
+    return table.to(device)
+
+
+def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
+    """Tile configuration: the BHSD sink forward's (its ``default_config``), for the window as
+    the kernel takes it and ``seq_len`` the longest key sequence. Hopper only."""
+    return sink.default_config(dim, window, arch, seq_len)
+
+
+def tune_configs(dim):
+    """The small space ``--tune`` compares: the BHSD sink forward's."""
+    return sink.tune_configs(dim)
+
+
+# ----------------------------------------------------------------------------- torch-facing
+def _check_sinks(sinks, heads, device):
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must be [heads] = [{heads}], got {tuple(sinks.shape)}")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"sinks must be float32, got {sinks.dtype}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on q's device ({device}), got {sinks.device}")
+
+
+def _check_inputs(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window_size, causal,
+    softmax_scale,
+):  # fmt: skip
+    """ValueError naming the first bad argument, from metadata alone: the varlen forward's rules
+    (example_gqa_fwd_varlen.py), then the window's and the sinks'. What needs cu_seqlens' values,
+    and the CUDA check, is ``_check_values`` (in the operator)."""
+    varlen._check_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+    )
+    sink._check_window(window_size)
+    _check_sinks(sinks, q.shape[1], q.device)
+
+
+_check_values = varlen._check_values
+_host_values = varlen._host_values
+
+
+def attention_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sinks, window_size, causal, softmax_scale,
+    config=None,
+):  # fmt: skip
+    """The kernel on checked, contiguous input: ``out`` and ``lse [H, total_q]`` (float32, the
+    sink included); what the operator runs. ``window_size`` as the caller gave it; it is
+    normalised here on the longest sequences (a bound no row of any sequence reaches is -1)."""
+    del max_seqlen_q  # the tile list comes from the lengths themselves
+    H, D = q.shape[1:]
+    values_q, values_k = tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k))
+    longest_q = max((b - a for a, b in zip(values_q[:-1], values_q[1:], strict=True)), default=0)
+    longest_k = max((b - a for a, b in zip(values_k[:-1], values_k[1:], strict=True)), default=0)
+    window = normalize_window(window_size, causal, longest_q, longest_k)
+    cfg = config or default_config(D, window, varlen.device_arch(q.device), longest_k)
+    out = torch.empty_like(q)
+    lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
+    if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
+        out.zero_()
+        lse.fill_(math.inf)
+    elif q.shape[0] > 0:
+        has_sinks = sinks is not None
+        # The kernel takes a sinks tensor either way; without sinks it never reads it.
+        sinks_in = sinks.detach().contiguous() if has_sinks else lse.new_empty(H)
+        kernel = flashattn_fwd_varlen(
+            H, k.shape[1], D, *window, has_sinks, float(softmax_scale), sink.dtype_name(q), **cfg
+        )
+        tiles = _device_tile_schedule(
+            values_q, values_k, H, cfg["block_M"], cfg["block_N"], window, q.device
+        )
+        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, sinks_in, out, lse)
+    return out, lse
+
+
+# torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile"), with
+# the varlen forward's arguments and the BHSD sink forward's two (sinks: Tensor?, the window as
+# its two ints, as the caller gave them). A config travels as its values in CONFIG_KEYS order.
+# The checks that read cu_seqlens run in the real implementation, never in traced code.
+CONFIG_KEYS = ("block_M", "block_N", "num_stages")
+
+
+@torch.library.custom_op("tl_attn::gqa_sink_fwd_varlen", mutates_args=())
+def attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sinks: torch.Tensor | None,
+    window_size_left: int,
+    window_size_right: int,
+    causal: bool,
+    softmax_scale: float,
+    config: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+    window = (window_size_left, window_size_right)
+    return attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sinks, window, causal, softmax_scale,
+        cfg,
+    )  # fmt: skip
+
+
+@attention_forward_op.register_fake
+def _(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window_size_left,
+    window_size_right, causal, softmax_scale, config,
+):  # fmt: skip
+    total_q, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(H, total_q, dtype=torch.float32)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    sinks=None,
+    window_size=(-1, -1),
+    causal=False,
+    softmax_scale=None,
+    return_lse=False,
+    config=None,
+):
+    """Varlen attention with sinks and a sliding window: ``q [total_q, H, D]``, ``k, v [total_k,
+    Hkv, D]`` (fp16/bf16, CUDA), ``cu_seqlens_q/k`` int32 ``[B + 1]``, ``max_seqlen_q/k`` ints,
+    ``sinks [H]`` float32 or None, ``window_size (left, right)``.
+
+    Returns ``out [total_q, H, D]``, and ``lse [H, total_q]`` (float32, natural log, sink
+    included) when ``return_lse``. ``config`` overrides the tile configuration (see
+    ``default_config``). Each ``cu_seqlens`` is read back to the host once (the checks and the
+    tile list), inside the operator.
+    """
+    _check_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window_size,
+        causal, softmax_scale,
+    )  # fmt: skip
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window = [int(w) for w in window_size]  # (left, right): two int arguments of the operator
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    sinks = sinks if sinks is None else sinks.contiguous()
+    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    out, lse = attention_forward_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, *window, causal,
+        float(softmax_scale), tiles,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- reference
+def ref_program(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    sinks=None,
+    window_size=(-1, -1),
+    causal=False,
+    softmax_scale=None,
+    return_lse=False,
+):
+    """Plain PyTorch in float32 (float64 stays float64; runs on CPU), same signature and
+    conventions as ``attention_varlen``: the BHSD sink forward's ``ref_program`` on each
+    sequence, with that sequence's own lengths."""
+    del max_seqlen_q, max_seqlen_k  # FlashAttention compatibility: cu_seqlens holds the lengths
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=acc, device=q.device)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        (q0, q1), (k0, k1) = bounds_q[b : b + 2], bounds_k[b : b + 2]
+        if q1 == q0 or k1 == k0:
+            continue  # no queries, or no keys: out 0, lse +inf
+        qb, kb, vb = (t.to(acc).transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        o, l_ = sink.ref_program(qb, kb, vb, sinks, window_size, causal, scale, return_lse=True)
+        out[q0:q1], lse[:, q0:q1] = o[0].transpose(0, 1), l_[0]
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def varlen_window_flops(cu_seqlens_q, cu_seqlens_k, heads, dim, window_size, causal) -> float:
+    """Forward FLOPs over the attended pairs of every sequence: 4·H·pairs·D."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    pairs = sum(
+        sink.attended_pairs(bounds_q[b + 1] - bounds_q[b], bounds_k[b + 1] - bounds_k[b],
+                            window_size, causal)
+        for b in range(len(bounds_q) - 1)
+    )  # fmt: skip
+    return 4.0 * heads * pairs * dim
+
+
+# ----------------------------------------------------------------------------- main
+def _harness():
+    """examples/harness.py: flags, checks, timing and peers shared by every script."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import harness
+
+    return harness
+
+
+def build_parser():
+    parser = sink.build_parser(__doc__.splitlines()[0] + " " + __doc__.splitlines()[1])
+    parser.set_defaults(batch=8, seq_len=2048)
+    parser.description += (
+        ". Sequence lengths are drawn at random from 1..--seq_len (keys: 1..--seq_len_k, or the "
+        "query lengths when it is not given); the batch holds a sequence of length 1 and one of "
+        "the maximum."
+    )
+    return parser
+
+
+def main(argv=None):
+    harness = _harness()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.groups < 1 or args.heads % args.groups != 0:
+        parser.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
+    B, H, D = args.batch, args.heads, args.dim
+    Hkv = H // args.groups
+    Sq = args.seq_len
+    Sk = args.seq_len_k or Sq
+    scale = 1.0 / math.sqrt(D)
+    window_arg = tuple(args.window)
+    script = pathlib.Path(__file__).name
+
+    if args.compile_only:
+        window = normalize_window(window_arg, args.causal, Sq, Sk)
+        cfg = default_config(D, window, args.arch, Sk)
+        kernel = harness.compile_for(
+            flashattn_fwd_varlen, args.arch, H, Hkv, D, *window, args.sinks, scale, args.dtype,
+            **cfg,
+        )  # fmt: skip
+        print(
+            f"{script}: built for {args.arch} with {cfg} (window as built: {window}; batch sizes "
+            "and tile list dynamic)"
+        )
+        print(harness.describe_source("flashattn_fwd_varlen", kernel.get_kernel_source()))
+        return
+
+    harness.require_gpu(script, capability=(9, 0))
+    bp = varlen._bert_padding()
+    dtype = harness.DTYPES[args.dtype]
+    (q_pad, k_pad, v_pad), mask_q, mask_k = varlen.padded_batch(
+        B, Sq, Sk, H, Hkv, D, dtype, distinct_k=args.seq_len_k is not None
+    )
+    # Padded batch + mask → packed tokens, cu_seqlens and max_seqlen.
+    q, _, cu_seqlens_q, max_seqlen_q, _ = bp.unpad_input(q_pad, mask_q)
+    k, _, cu_seqlens_k, max_seqlen_k, _ = bp.unpad_input(k_pad, mask_k)
+    v = bp.unpad_input(v_pad, mask_k)[0]
+    varlen_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    torch.manual_seed(0)
+    sinks = torch.randn(H, device="cuda", dtype=torch.float32) * 2 if args.sinks else None
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    what = (
+        f"B{B} H{H} Hkv{Hkv} max {Sq}/{Sk} D{D} window={window_arg} causal={args.causal} "
+        f"sinks={args.sinks} {args.dtype}"
+    )
+    print(f"{what}: {q.shape[0]} query tokens\n  query lengths {lengths}")
+
+    def benchmark(configs):
+        """Ours, one row per entry of ``configs`` (name → config), beside the BHSD sink forward
+        on the padded batch (every sequence at the longest lengths: the work padding costs),
+        every row charged the packed batch's attended pairs."""
+        ours = {
+            name: lambda c=cfg: attention_varlen(
+                *varlen_args, sinks, window_arg, args.causal, scale, config=c
+            )
+            for name, cfg in configs.items()
+        }
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q_pad, k_pad, v_pad))
+        peers = {
+            "tilelang sink bhsd, padded": lambda: sink.attention(
+                qt, kt, vt, sinks, window_arg, args.causal, scale
+            )
+        }
+        flops = varlen_window_flops(cu_seqlens_q, cu_seqlens_k, H, D, window_arg, args.causal)
+        return harness.report(f"varlen forward {what}", ours, peers, flops)
+
+    config = None
+    if args.tune:
+        # Every tune_configs entry side by side in one report; the fastest is checked.
+        named = {"tilelang varlen " + sink._config_name(c): c for c in tune_configs(D)}
+        config = named[harness.fastest(benchmark(named))]
+        print(f"tuned: {config}")
+
+    if args.check:
+        out, lse = attention_varlen(
+            *varlen_args, sinks, window_arg, args.causal, scale, return_lse=True, config=config
+        )
+        ref_out, ref_lse = ref_program(
+            *varlen_args, sinks, window_arg, args.causal, scale, return_lse=True
+        )
+        print(f"check {what}")
+        harness.check_close("out", out, ref_out, rtol=1e-2)  # fp16/bf16 forward
+        harness.check_close("lse", lse, ref_lse, rtol=1e-3)  # fp32 statistics: tighter
+
+    if args.bench and not args.tune:
+        benchmark({"tilelang varlen": config})
+
+
+if __name__ == "__main__":
+    main()
