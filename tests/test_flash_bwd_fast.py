@@ -36,6 +36,24 @@ def ptxas_report(source, arch="sm_90a"):
     return done.stdout + done.stderr
 
 
+def assert_clean_build(kernel, threads=384, producer_regs=24, consumer_regs=240):
+    """What every hand-scheduled Hopper build promises, read from ``ptxas -v``: no spills and no
+    stack; set_max_nreg's split fits the launch's registers (the consumers' rise must come from
+    the producer's drop, or they wait for it forever: a deadlock, not an error); ptxas does not
+    serialize the WGMMA pipeline (it does when a branch reads an accumulator of a GEMM still in
+    flight); shared memory fits an H100 thread block. Returns the report."""
+    import harness
+
+    report = ptxas_report(kernel.get_kernel_source())
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    launch = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert 128 * producer_regs + (threads - 128) * consumer_regs <= launch * threads
+    assert "Potential Performance Loss" not in report, report
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+    return report
+
+
 def build(mod, B, H, S, D, causal, dtype="float16", **cfg):
     import harness
 
@@ -82,21 +100,9 @@ def test_no_spills_and_fits_shared_memory(dim, causal):
     """At a benchmark shape (S = 4096, where a shared code path for both warpgroups once spilled
     its WGMMA descriptors): ptxas spills nothing, no stack, and the kernel's shared memory fits
     an H100 thread block."""
-    import harness
-
     mod = load_script(FAST)
     kernel = build(mod, 4, 32, 4096, dim, causal)
-    report = ptxas_report(kernel.get_kernel_source())
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-    # set_max_nreg shares out the launch's registers: the consumers' rise must come from the
-    # producer's drop, or they wait for it forever (a deadlock, not an error).
-    launch = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert mod.PRODUCER_REGS * 128 + mod.CONSUMER_REGS * 256 <= launch * 384
-    # Nor does ptxas serialize the WGMMA pipeline (it does when a branch reads an accumulator
-    # of a GEMM still in flight).
-    assert "Potential Performance Loss" not in report, report
-    static = int(re.search(r"(\d+) bytes smem", report).group(1))
-    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 
 def test_tune_space_fits_shared_memory():
@@ -268,20 +274,12 @@ def test_packed_no_spills_and_fits_shared_memory(dim, causal, groups):
     """The packed kernel (run-time lengths and offsets, the early exit) keeps the dense one's
     promises: ptxas spills nothing, the register split fits, the WGMMA pipeline is not
     serialized, shared memory fits an H100 thread block; and it is the same schedule."""
-    import harness
-
     mod = load_script(FAST)
     kernel = build_packed(mod, dim, causal, groups)
     src = kernel.get_kernel_source()
     assert "flash_bwd_varlen_kernel" in src and "__launch_bounds__(384, 1)" in src
     assert src.count("wait_wgmma<1>") == 2 * 3 and src.count("wgmma_rs") == 2 * 2
-    report = ptxas_report(src)
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-    launch = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert mod.PRODUCER_REGS * 128 + mod.CONSUMER_REGS * 256 <= launch * 384
-    assert "Potential Performance Loss" not in report, report
-    static = int(re.search(r"(\d+) bytes smem", report).group(1))
-    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 
 def test_packed_tune_space_fits_shared_memory():
