@@ -268,7 +268,9 @@ def padded_len(seq_q, block_N):
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=64, layout="bshd"):
     """delta = Σ_d O ∘ dO and lse2 = lse · log2 e per query row, padded to ``seq_q_pad`` rows
-    (padding: delta 0, lse2 +inf).
+    (padding: delta 0, lse2 +inf); and the float32 dQ accumulator set to zero (the backward only
+    adds into it), one slice of ``block · dim`` floats per thread block, so no separate fill
+    kernel runs.
 
     ``layout="thd"``: packed sequences (``batch``, ``seq_q``, ``seq_q_pad`` are None: the sizes
     are dynamic), one thread block per query tile of ``block`` (the backward's ``block_N``)
@@ -286,8 +288,11 @@ def flash_bwd_prep(batch, heads, seq_q, seq_q_pad, dim, dtype="float16", block=6
         lse: T.Tensor([batch, heads, seq_q], accum_dtype),
         Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+        dQ_accum: T.Tensor([batch, heads, seq_q_pad * dim], accum_dtype),  # flat per head
     ):
         with T.Kernel(T.ceildiv(seq_q_pad, block), heads, batch, threads=128) as (bx, by, bz):
+            for t in T.Parallel(block * dim):
+                dQ_accum[bz, by, bx * block * dim + t] = 0
             out_frag = T.alloc_fragment([block, dim], dtype)
             dout_frag = T.alloc_fragment([block, dim], dtype)
             prod = T.alloc_fragment([block, dim], accum_dtype)
@@ -325,6 +330,7 @@ def _flash_bwd_prep_packed(heads, dim, dtype, block):
         max_seqlen_q: T.int32,
         Delta: T.Tensor([heads, n_tiles, block], accum_dtype),
         lse2: T.Tensor([heads, n_tiles, block], accum_dtype),
+        dQ_accum: T.Tensor([n_tiles, heads, block * dim], accum_dtype),
     ):
         with T.Kernel(T.ceildiv(max_seqlen_q, block), heads, batch, threads=128) as (bx, by, bz):
             out_frag = T.alloc_fragment([block, dim], dtype)
@@ -345,6 +351,8 @@ def _flash_bwd_prep_packed(heads, dim, dtype, block):
                     )
                 T.reduce_sum(prod, delta, dim=1)
                 tile = tile_start(q_offset, bz, block) + bx
+                for t in T.Parallel(block * dim):
+                    dQ_accum[tile, by, t] = 0
                 for i in T.Parallel(block):
                     row = bx * block + i
                     if row < seq_len_q:
@@ -994,10 +1002,12 @@ def run_backward(
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
-    flash_bwd_prep(B, H, Sq, seq_q_pad, D, dtype, layout=layout)(out, dout, lse, delta, lse2)
-    # dQᵀ tiles, float32, one per query block: the backward kernel's reduce-adds land here.
+    # dQᵀ tiles, float32, one per query block: the backward kernel's reduce-adds land here,
+    # after the prep has zeroed them.
     n_blocks = seq_q_pad // cfg["block_N"]
-    dq_accum = torch.zeros(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
+    prep = flash_bwd_prep(B, H, Sq, seq_q_pad, D, dtype, layout=layout)
+    prep(out, dout, lse, delta, lse2, dq_accum.view(B, H, -1))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     kernel = flash_bwd(
         B, H, Sq, Sk, D, causal, softmax_scale, dtype, **cfg,
@@ -1032,10 +1042,11 @@ def run_backward_varlen(
     # the tiles between sequences are never read.
     delta = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
+    # dQᵀ tiles, float32, one per query tile: a sum of reduce-adds, zeroed by the prep (every
+    # sequence's tiles; the tiles between sequences are never read).
+    dq_accum = torch.empty(n_tiles, H, D * block_N, dtype=torch.float32, device=q.device)
     prep = flash_bwd_prep(None, H, None, None, D, dtype, block_N, "thd")
-    prep(out, dout, lse, cu_seqlens_q, max_seqlen_q, delta, lse2)
-    # dQᵀ tiles, float32, one per query tile: a sum of reduce-adds, so it starts at zero.
-    dq_accum = torch.zeros(n_tiles, H, D * block_N, dtype=torch.float32, device=q.device)
+    prep(out, dout, lse, cu_seqlens_q, max_seqlen_q, delta, lse2, dq_accum)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     kernel = flash_bwd(
         None, H, None, None, D, causal, softmax_scale, dtype, **cfg, groups=H // Hkv,
