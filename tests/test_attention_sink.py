@@ -698,7 +698,10 @@ def test_sink_grad_matches_autograd(window, causal):
     out2, lse = mod.ref_program(q, k, v, sinks.detach(), window, causal, 0.3, return_lse=True)
     delta = (out2 * dout).sum(-1)
     assert torch.isposinf(lse).any() == (causal or window == (4, 4))  # Sq > Sk: empty rows
-    torch.testing.assert_close(bwd.sink_grad(sinks.detach(), lse, delta).double(), expect)
+    torch.testing.assert_close(bwd.ref_sink_grad(sinks.detach(), lse, delta).double(), expect)
+    # delta padded past Sq (as the group backward returns it): the padding is not read.
+    padded = torch.cat([delta, torch.full_like(delta[:, :, :5], math.nan)], dim=2)
+    torch.testing.assert_close(bwd.ref_sink_grad(sinks.detach(), lse, padded).double(), expect)
 
 
 def _key_blocks_seen(Sq, Sk):
@@ -767,7 +770,7 @@ def test_fast_query_block_range_is_exactly_the_blocks_seen(Sq, Sk):
 def emulate_backward(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale, block_M, block_N):
     """The backward kernel's loop on the CPU in float64: per key block and head, the query blocks
     of window_query_blocks, P from the forward's lse, the mask only where the kernel applies
-    it, dv, dk, dq accumulated as the kernel does; dsinks by sink_grad."""
+    it, dv, dk, dq accumulated as the kernel does; dsinks by ref_sink_grad."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     groups = H // k.shape[1]
@@ -808,7 +811,7 @@ def emulate_backward(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale,
             dq[b, h, rows[real]] += (ds.T @ kt)[real]
         dk[b, h // groups, keys[:n]] += dk_t[:n]
         dv[b, h // groups, keys[:n]] += dv_t[:n]
-    dsinks = None if sinks is None else bwd.sink_grad(sinks, lse, delta)
+    dsinks = None if sinks is None else bwd.ref_sink_grad(sinks, lse, delta)
     return dq, dk, dv, dsinks
 
 
@@ -842,7 +845,7 @@ def test_backward_tile_loop_matches_autograd(Sq, Sk, window, causal, tile):
 
 
 def test_backward_builds_for_sm90(capsys):
-    """--compile-only builds the four kernels of a training step (a causal window, Sq != Sk);
+    """--compile-only builds the five kernels of a training step (a causal window, Sq != Sk);
     the backward kernel (strategy group, the default) uses WGMMA, TMA and the bulk reduce-add."""
     load_script(BWD).main(
         ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
@@ -850,7 +853,7 @@ def test_backward_builds_for_sm90(capsys):
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "built for sm_90a" in out
-    for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"):
+    for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post", "flash_bwd_sinks"):
         assert f"  {name}:" in out
     line = out.split("flash_bwd:")[1].splitlines()[0]
     assert "wgmma" in line and "bulk-reduce" in line
@@ -907,6 +910,28 @@ def test_backward_matches_autograd(
     assert rel_err(out, ref) < 1e-2  # fp16/bf16 output
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=False):
         assert rel_err(g, r) < 2e-2, name  # gradients
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,H,Sq,delta_len", [(1, 1, 1, 64), (2, 8, 17, 64), (3, 4, 1000, 1024), (1, 64, 4096, 4096),
+                         (2, 2, 5000, 5120)]
+)  # fmt: skip
+def test_sink_grad_kernel_matches_torch(B, H, Sq, delta_len):
+    """flashattn_bwd_sinks against ref_sink_grad in float64: one row to several chunks of
+    rows, odd lengths, rows with lse = +inf (no key), delta padded with NaN rows it must not
+    read."""
+    bwd = load_script(BWD)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sinks = torch.randn(H, generator=g, device="cuda") * 2
+    lse = torch.randn(B, H, Sq, generator=g, device="cuda") * 3 + 4
+    lse[:, :, 1::7] = math.inf
+    delta = torch.full((B, H, delta_len), math.nan, device="cuda")
+    delta[:, :, :Sq] = torch.randn(B, H, Sq, generator=g, device="cuda")
+    got = bwd.sink_grad(sinks, lse, delta)
+    expect = bwd.ref_sink_grad(sinks.double(), lse.double(), delta.double())
+    assert torch.isfinite(got).all()
+    assert rel_err(got, expect) < 1e-4  # float32 sums of up to 10^4 terms
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ KERNEL_ROLES = {
     "flash_bwd_varlen",
     "flash_bwd_post",
     "flash_bwd_post_kv",
+    "flash_bwd_sinks",
     "gemm",
 }
 VARLEN_ARGS = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]

@@ -6,7 +6,7 @@ logit ``sinks[h]`` that joins every row's denominator but has no value, under a 
 ``(left, right)`` — and is differentiable in ``q``, ``k``, ``v`` and ``sinks``. Its forward pass
 is that script's persistent, warp-specialized kernel (imported from beside this file), which also
 returns the row log-sum-exp ``lse`` with the sink included. The backward recomputes the
-probabilities from ``lse``, FlashAttention-2 style, in three kernels and one line of PyTorch:
+probabilities from ``lse``, FlashAttention-2 style, in four kernels:
 
 1. preprocess: ``delta = rowsum(O ∘ dO)`` per query row;
 2. the backward proper: a thread block holds a block of keys (K and V in shared memory, their
@@ -24,7 +24,8 @@ probabilities from ``lse``, FlashAttention-2 style, in three kernels and one lin
      head, batch) with ``window_query_blocks``; dQ and the group's dK/dV are float32 atomic
      adds;
 3. postprocess: dQ back to the input dtype (``atomic``: dK and dV too, a cast);
-4. ``dsinks[h] = −Σ_rows p_sink · delta`` with ``p_sink = exp(sinks[h] − lse)`` (``sink_grad``).
+4. ``dsinks[h] = −Σ_rows p_sink · delta`` with ``p_sink = exp(sinks[h] − lse)``: one thread
+   block per head (``flashattn_bwd_sinks``).
 
 Why the sink changes nothing in 1–3: with ``lse`` including the sink, ``p_j = exp(s_j − lse)`` is
 already each key's probability, and ``dS_j = p_j (dP_j − Σ_k p_k dP_k)`` where the sum runs over
@@ -324,6 +325,42 @@ def flashattn_bwd_postprocess(batch, heads, seq_q, dim, dtype="float16", block=6
     return flash_bwd_post
 
 
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_bwd_sinks(batch, heads, seq_q, delta_len, threads=128, rows_per_thread=8):
+    """dsinks[h] = −Σ_{b, i} exp(sinks[h] − lse[b, h, i]) · delta[b, h, i] (float32 [H]): one
+    thread block per head. ``delta`` may be padded past ``seq_q`` rows (``delta_len``, the
+    hand-scheduled backward's whole query blocks); rows with lse = +inf (no key) add 0.
+
+    Four PyTorch operations compute the same (``ref_sink_grad``); on a narrow window, where
+    the whole backward takes tens of microseconds, their launches cost as much host time as
+    the three attention kernels together, so the sum is one kernel."""
+    accum_dtype = "float32"
+    chunk = threads * rows_per_thread  # rows a thread block loads at once
+
+    @T.prim_func
+    def flash_bwd_sinks(
+        Sinks: T.Tensor([heads], accum_dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        Delta: T.Tensor([batch, heads, delta_len], accum_dtype),
+        dSinks: T.Tensor([heads], accum_dtype),
+    ):
+        with T.Kernel(heads, threads=threads) as by:
+            terms = T.alloc_fragment([chunk], accum_dtype)
+            total = T.alloc_fragment([1], accum_dtype)
+            T.clear(terms)
+            for bz in T.serial(batch):
+                for c in T.serial(T.ceildiv(seq_q, chunk)):
+                    for i in T.Parallel(chunk):
+                        row = c * chunk + i
+                        if row < seq_q:
+                            p_sink = T.exp(Sinks[by] - lse[bz, by, row])
+                            terms[i] += p_sink * Delta[bz, by, row]
+            T.reduce_sum(terms, total, dim=0)
+            dSinks[by] = -total[0]
+
+    return flash_bwd_sinks
+
+
 def default_strategy(dim, arch="sm_90a"):
     """``group`` (the hand-scheduled backward) on Hopper for head dims 64 and 128, else
     ``atomic``."""
@@ -344,10 +381,12 @@ def default_config(dim, arch="sm_90a", strategy="atomic"):
 
 # ----------------------------------------------------------------------------- torch-facing
 def sink_grad(sinks, lse, delta):
-    """dsinks[h] = −Σ_{b, i} exp(sinks[h] − lse[b, h, i]) · delta[b, h, i] (float32 [H]); rows
-    with lse = +inf (no key) add 0."""
-    p_sink = torch.exp(sinks.float()[None, :, None] - lse)
-    return -(p_sink * delta).sum(dim=(0, 2))
+    """dsinks (float32 [H]) by ``flashattn_bwd_sinks``, from the forward's ``lse [B, H, Sq]``
+    and ``delta [B, H, Sq']`` (Sq' >= Sq: the rows past Sq are not read)."""
+    B, H, Sq = lse.shape
+    dsinks = torch.empty(H, dtype=torch.float32, device=lse.device)
+    flashattn_bwd_sinks(B, H, Sq, delta.shape[2])(sinks, lse, delta, dsinks)
+    return dsinks
 
 
 def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale):
@@ -536,6 +575,13 @@ def ref_program(q, k, v, sinks=None, window_size=(-1, -1), causal=False, softmax
     return torch.einsum("bhqk,bhkd->bhqd", probs[..., :Sk], vf).to(q.dtype)
 
 
+def ref_sink_grad(sinks, lse, delta):
+    """What ``flashattn_bwd_sinks`` computes, in PyTorch: dsinks[h] = −Σ_{b, i}
+    exp(sinks[h] − lse[b, h, i]) · delta[b, h, i] over the Sq rows of ``lse``."""
+    p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    return -(p_sink * delta[:, :, : lse.shape[2]]).sum(dim=(0, 2))
+
+
 # ----------------------------------------------------------------------------- main
 def _harness():
     """examples/harness.py: flags, checks, timing and peers shared by every script."""
@@ -556,7 +602,7 @@ def build_parser():
 
 
 def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a", strategy="atomic"):
-    """Build every kernel a training step runs (forward, preprocess, backward, postprocess) for
+    """Build every kernel a training step runs (forward, preprocess, backward, postprocess, sinks) for
     ``arch`` without a GPU; returns {kernel name: CUDA source}."""
     harness = _harness()
     left, right = window
@@ -580,6 +626,9 @@ def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a", strategy="at
         kernels["flash_bwd_post"] = harness.compile_for(
             flashattn_bwd_postprocess, arch, B, H, Sq, D, dtype
         )
+    # delta's rows: the group backward pads them to whole query blocks.
+    delta_len = fast_bwd.padded_len(Sq, cfg["block_N"]) if strategy == "group" else Sq
+    kernels["flash_bwd_sinks"] = harness.compile_for(flashattn_bwd_sinks, arch, B, H, Sq, delta_len)
     return {name: kernel.get_kernel_source() for name, kernel in kernels.items()}
 
 

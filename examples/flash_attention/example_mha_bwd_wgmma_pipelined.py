@@ -987,8 +987,9 @@ def run_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, config=None, window=(-1, -1), layout="bshd"
 ):
     """``attention_backward`` with ``flash_bwd``'s window and layout, for
-    example_gqa_sink_bwd_bhsd.py: returns ``dq, dk, dv`` and ``delta`` (float32 ``[B, H, Sq]``,
-    Σ_d O ∘ dO per query row, which that script turns into the sinks' gradient)."""
+    example_gqa_sink_bwd_bhsd.py: returns ``dq, dk, dv`` and ``delta`` (float32, Σ_d O ∘ dO per
+    query row, which that script turns into the sinks' gradient): ``[B, H, Sq']`` with Sq'
+    padded to whole query blocks (rows past Sq are 0)."""
     if layout == "bshd":
         (B, Sq, H, D), (Sk, Hkv) = q.shape, k.shape[1:3]
     else:
@@ -1017,7 +1018,7 @@ def run_backward(
     dq = torch.empty_like(q)
     post = flash_bwd_post(B, H, Sq, seq_q_pad, D, softmax_scale, dtype, cfg["block_N"], layout)
     post(dq_accum, dq)
-    return dq, dk, dv, delta[:, :, :Sq]
+    return dq, dk, dv, delta
 
 
 def run_backward_varlen(
