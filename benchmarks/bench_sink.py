@@ -18,6 +18,14 @@ once and kept, ``retain_graph=True``, as ``harness.sdpa_backward_peers`` does):
     folds it into its ``delta``). Dropping it would leave dq and dk about 5% off at these
     windows, which the check below catches; tests/test_bench_sink.py checks the gradients on
     the CPU;
+  - "tilelang graphed" and "flex_attention graphed" (windowed rows): "tilelang" and
+    "flex_attention" captured in CUDA graphs (``torch.cuda.graph``) and timed as graph
+    replays, the same kernels with no host work between them, as a training step under CUDA
+    graphs runs them. At window 128 an eager call's host work (PyTorch's custom-operator and
+    autograd layers, the launches) takes longer than its kernels; these rows compare the GPU
+    work. A backward alone cannot be captured (its autograd graph was built outside the
+    capture, on another stream), so the forward alone and forward + backward (the graph built
+    inside the call) are captured, and the backward's time is their difference;
   - "tilelang dense causal": our dense GQA kernels on BSHD copies made outside the timing,
     doing the whole causal triangle (forward: example_gqa_fwd_bshd.py, what the forward
     script's ``dense_peer`` runs for GQA; backward: example_gqa_bwd.py, its default strategy);
@@ -67,6 +75,7 @@ SINK_COST = [(4, 32, 8, 4096, 128, (-1, -1)), (1, 64, 8, 8192, 64, (-1, -1))]
 ROWS = WINDOWED + SINK_COST
 OURS, NO_SINKS, COMPILED = "tilelang", "tilelang no sinks", "tilelang compiled"
 FLEX, DENSE = "flex_attention", "tilelang dense causal"
+OURS_GRAPH, FLEX_GRAPH = "tilelang graphed", "flex_attention graphed"
 GRADS = ("dq", "dk", "dv", "dsinks")
 
 
@@ -147,6 +156,22 @@ BUILDERS = {
 }
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after three warm-up calls on a side stream, as
+    torch.cuda.graph asks): returns the graph's replay, which runs the same kernels on the same
+    tensors with no host work between them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def names(window):
     return [OURS, COMPILED, FLEX, DENSE] if window != (-1, -1) else [OURS, NO_SINKS, DENSE]
 
@@ -193,6 +218,47 @@ def measure(m, row, build_only=False):
             ratio = r["ms"] / ms.get(OURS, float("nan"))
             cols = {"sinks": sinks, "impl": r["impl"], "ms": r["ms"], "tflops": r["tflops"]}
             records.append({"mode": mode, **shape, **cols, "ratio": ratio})
+    if FLEX in impls:
+        records += graph_records(m, x, window, impls, flops, shape, what)
+    return records
+
+
+def training_step(m, x, window, impl):
+    """Forward and backward in one call, the autograd graph built inside it (so a CUDA graph
+    captured around the call holds both): ours, the sink scripts' ``attention``; Flex, ``flex``'s
+    compiled function."""
+    xs = leaves(x.q, x.k, x.v, x.sinks)
+    if impl == OURS:
+        return lambda: torch.autograd.grad(m.bwd.attention(*xs, window, True, x.scale), xs, x.dout)
+    run = m.fwd.flex_peer(*xs, window, True, x.scale)
+    compiled = torch.compile(run, fullgraph=True, dynamic=False)
+    return lambda: torch.autograd.grad(compiled(), xs, x.dout)
+
+
+def graph_records(m, x, window, impls, flops, shape, what):
+    """A windowed row as CUDA graph replays: forward alone, forward + backward, and the
+    backward as their difference (records with the same fields as ``measure``'s; ratio: this
+    ms ÷ ours graphed ms)."""
+    ms = {}
+    for mode, pick, scale in (("fwd", 0, 1.0), ("fwd+bwd", 1, 3.5)):
+        runs = {}
+        for ours_name, name, graph_name in ((True, OURS, OURS_GRAPH), (False, FLEX, FLEX_GRAPH)):
+            fn = impls[name][0] if pick == 0 else training_step(m, x, window, name)
+            runs[graph_name] = graphed(fn)
+        ours_runs = {OURS_GRAPH: runs.pop(OURS_GRAPH)}
+        for r in harness.report(f"{mode} graphed {what}", ours_runs, runs, flops * scale):
+            ms[mode, r["impl"]] = r["ms"]
+    for impl in (OURS_GRAPH, FLEX_GRAPH):
+        if ("fwd", impl) in ms and ("fwd+bwd", impl) in ms:
+            ms["bwd", impl] = ms["fwd+bwd", impl] - ms["fwd", impl]
+    records = []
+    for mode, scale in (("fwd", 1.0), ("bwd", 2.5), ("fwd+bwd", 3.5)):
+        for impl in (OURS_GRAPH, FLEX_GRAPH):
+            if (mode, impl) in ms:
+                t = ms[mode, impl]
+                cols = {"sinks": True, "impl": impl, "ms": t, "tflops": flops * scale / t * 1e-9}
+                ratio = t / ms.get((mode, OURS_GRAPH), float("nan"))
+                records.append({"mode": mode, **shape, **cols, "ratio": ratio})
     return records
 
 
@@ -224,13 +290,29 @@ def markdown(records, device, date):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (mode, shape, window), row in cells.items():
-        if window != (-1, -1):
+        if window != (-1, -1) and mode != "fwd+bwd":
             both = FLEX in row and COMPILED in row
             compiled = f"{row[FLEX]['ms'] / row[COMPILED]['ms']:.2f}" if both else "—"
             lines.append(
                 f"| {mode} | {shape} | {window} | {timing(row, OURS)} | {timing(row, COMPILED)} "
                 f"| {timing(row, FLEX)} | {timing(row, DENSE)} | {speedup(row, FLEX)} "
                 f"| {compiled} | {speedup(row, DENSE)} |"
+            )
+    lines += [
+        "",
+        "The windowed rows as CUDA graph replays (the same kernels, no host work between "
+        "them); bwd: forward + backward minus forward.",
+        "",
+        "| mode | shape | window | ours graphed | FlexAttention graphed | ours ÷ Flex, graphed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (mode, shape, window), row in cells.items():
+        if window != (-1, -1):
+            both = OURS_GRAPH in row and FLEX_GRAPH in row
+            graph_ratio = f"{row[FLEX_GRAPH]['ms'] / row[OURS_GRAPH]['ms']:.2f}" if both else "—"
+            lines.append(
+                f"| {mode} | {shape} | {window} | {timing(row, OURS_GRAPH)} "
+                f"| {timing(row, FLEX_GRAPH)} | {graph_ratio} |"
             )
     lines += [
         "",

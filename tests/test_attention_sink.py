@@ -1121,12 +1121,15 @@ def test_varlen_bad_sinks_and_windows_raise_value_error():
             mod.attention_varlen(*args, **kwargs)
 
 
-VARLEN_BUILDS = [  # (D, window as the kernel takes it, longest key sequence, sinks, dtype, groups)
+# (D, window as the kernel takes it, longest key sequence, sinks, dtype, groups): every tile
+# choice of default_config and every loop form (one loop; three runs for a left edge). A window
+# with both edges runs the left-edge loop with one more compare; it is built at D128, where the
+# registers are tightest (each build is a full compile of the hand-scheduled kernel).
+VARLEN_BUILDS = [
     (64, (-1, -1), 4096, True, "float16", 8),
     (64, (-1, 0), 4096, True, "bfloat16", 1),
     (64, (-1, 0), 1000, False, "float16", 8),
     (64, (128, 0), 4096, True, "bfloat16", 8),
-    (64, (64, 64), 4096, True, "float16", 1),
     (128, (-1, -1), 4096, False, "bfloat16", 1),
     (128, (1024, 0), 4096, True, "float16", 8),
     (128, (64, 64), 4096, True, "bfloat16", 8),

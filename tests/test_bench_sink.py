@@ -69,21 +69,34 @@ def test_check_compares_ours_with_the_peer_computing_the_same():
 
 def fake_records():
     """One record per row, mode and implementation, as measure() writes them; ours 1 ms (2 ms
-    backward), ours compiled 0.5×, Flex 2.5×, dense 4× slower, no sinks 0.8×; Flex missing for
-    the last windowed backward (a peer that failed: report() leaves it out)."""
+    backward), ours compiled 0.5×, Flex 2.5×, dense 4× slower, no sinks 0.8×, and on windowed
+    rows the graph replays (fwd, bwd, fwd+bwd: ours 0.25, 0.5, 0.75 ms, Flex 2× slower); Flex
+    missing for the last windowed backward, plain and graphed (a peer that failed: report()
+    leaves it out)."""
     records = []
     for B, H, Hkv, S, D, window in bench.ROWS:
         for mode, base in (("fwd", 1.0), ("bwd", 2.0)):
             factors = {bench.OURS: 1.0, bench.COMPILED: 0.5, bench.FLEX: 2.5, bench.NO_SINKS: 0.8}
             factors[bench.DENSE] = 4.0
             for impl in bench.names(window):
-                if impl == bench.FLEX and (mode, S, D) == ("bwd", 8192, 128):
+                if impl in (bench.FLEX, bench.FLEX_GRAPH) and (mode, S, D) == ("bwd", 8192, 128):
                     continue
                 ms = base * factors[impl]
                 records.append(
                     {"mode": mode, "B": B, "H": H, "Hkv": Hkv, "S": S, "D": D,
                      "window": list(window), "sinks": impl != bench.NO_SINKS,
                      "impl": impl, "ms": ms, "tflops": 100 / ms, "ratio": factors[impl]}
+                )  # fmt: skip
+        if window == (-1, -1):
+            continue
+        for mode, base in (("fwd", 0.25), ("bwd", 0.5), ("fwd+bwd", 0.75)):
+            for impl, factor in ((bench.OURS_GRAPH, 1.0), (bench.FLEX_GRAPH, 2.0)):
+                if impl == bench.FLEX_GRAPH and (mode, S, D) == ("bwd", 8192, 128):
+                    continue
+                records.append(
+                    {"mode": mode, "B": B, "H": H, "Hkv": Hkv, "S": S, "D": D,
+                     "window": list(window), "sinks": True, "impl": impl, "ms": base * factor,
+                     "tflops": 100 / (base * factor), "ratio": factor}
                 )  # fmt: skip
     return records
 
@@ -96,8 +109,8 @@ def test_markdown_tables():
         == "# Attention sinks and sliding windows — NVIDIA H100 80GB HBM3, 2026-11-23 04:00 UTC"
     )
     rows = [line for line in lines if line.startswith("| fwd") or line.startswith("| bwd")]
-    windowed, cost = rows[:6], rows[6:]
-    assert len(windowed) == 6 and len(cost) == 4
+    windowed, graphs, cost = rows[:6], rows[6:15], rows[15:]
+    assert len(windowed) == 6 and len(graphs) == 9 and len(cost) == 4
     first = windowed[0].split(" | ")
     assert first[:3] == ["| fwd", "B1 H64 Hkv8 S4096 D64", "(128, 0)"]
     assert first[3] == "1.000 ms, 100 TFLOP/s" and first[4] == "0.500 ms, 200 TFLOP/s"
@@ -105,6 +118,11 @@ def test_markdown_tables():
     assert first[-3:] == ["2.50", "5.00", "4.00 |"]  # ours, ours compiled ÷ Flex; ours ÷ dense
     last = windowed[-1].split(" | ")  # Flex missing: dashes, not an error
     assert last[0] == "| bwd" and last[5] == "—" and last[-3:] == ["—", "—", "4.00 |"]
+    graph = graphs[0].split(" | ")  # ours graphed, Flex graphed, Flex ÷ ours
+    assert graph[3:] == ["0.250 ms, 400 TFLOP/s", "0.500 ms, 200 TFLOP/s", "2.00 |"]
+    modes = [line.split(" | ")[0] for line in graphs]
+    assert modes == ["| fwd", "| bwd", "| fwd+bwd"] * 3
+    assert graphs[-2].split(" | ")[-1] == "— |"  # the missing Flex backward, graphed
     bwd_cost = cost[1].split(" | ")
     assert bwd_cost[:2] == ["| bwd", "B4 H32 Hkv8 S4096 D128"]
     assert bwd_cost[4] == "1.25" and bwd_cost[-1] == "4.00 |"  # with ÷ without; ours ÷ dense
