@@ -52,7 +52,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   16-byte row vectors (straight from registers they would fill half of each 32-byte sector).
 - A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
   units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
-  get P = 0 without a mask, and every TMA box starts 16-byte aligned); one after
+  get P = 0 without a mask, and every TMA box starts 16-byte aligned), and zeroes the float32
+  dQ tiles the reduce-adds land in (a separate fill would be one more launch); one after
   (``flash_bwd_post``) puts the float32 dQ tiles back in order, scales them and converts them to
   the input dtype.
 
