@@ -242,7 +242,7 @@ def graph_records(m, x, window, impls, flops, shape, what):
     ms = {}
     for mode, pick, scale in (("fwd", 0, 1.0), ("fwd+bwd", 1, 3.5)):
         runs = {}
-        for ours_name, name, graph_name in ((True, OURS, OURS_GRAPH), (False, FLEX, FLEX_GRAPH)):
+        for name, graph_name in ((OURS, OURS_GRAPH), (FLEX, FLEX_GRAPH)):
             fn = impls[name][0] if pick == 0 else training_step(m, x, window, name)
             runs[graph_name] = graphed(fn)
         ours_runs = {OURS_GRAPH: runs.pop(OURS_GRAPH)}

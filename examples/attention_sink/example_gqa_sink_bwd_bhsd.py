@@ -604,8 +604,8 @@ def build_parser():
 
 
 def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a", strategy="atomic"):
-    """Build every kernel a training step runs (forward, preprocess, backward, postprocess, sinks) for
-    ``arch`` without a GPU; returns {kernel name: CUDA source}."""
+    """Build every kernel a training step runs (forward, preprocess, backward, postprocess,
+    sinks) for ``arch`` without a GPU; returns {kernel name: CUDA source}."""
     harness = _harness()
     left, right = window
     scale = 1.0 / math.sqrt(D)
