@@ -332,8 +332,8 @@ def flashattn_bwd_sinks(batch, heads, seq_q, delta_len, threads=128, rows_per_th
     hand-scheduled backward's whole query blocks); rows with lse = +inf (no key) add 0.
 
     Four PyTorch operations compute the same (``ref_sink_grad``); on a narrow window, where
-    the whole backward takes tens of microseconds, their launches cost as much host time as
-    the three attention kernels together, so the sum is one kernel."""
+    the backward's kernels take a fraction of a millisecond, those four took more host time
+    than the three attention kernels' launches together, so the sum is one kernel."""
     accum_dtype = "float32"
     chunk = threads * rows_per_thread  # rows a thread block loads at once
 
