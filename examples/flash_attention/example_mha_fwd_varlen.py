@@ -37,6 +37,10 @@ GEMM and epilogue. What packing changes:
   guard (its TMA box would overwrite the next sequence's first rows). ``lse`` is
   ``[H, total_q]``, as in FlashAttention's varlen API.
 
+The host side — the tile list, the tile configurations, the reads and checks of the
+``cu_seqlens`` values and ``main``'s padded test batch — is example_gqa_fwd_varlen.py's, imported
+from beside this file: with one kv head per query head it is the same code.
+
 ``total_q``, ``total_k``, ``B`` and the shape of the tile list are TileLang dynamic dimensions
 (``T.dynamic``), so one compiled kernel serves every batch: only the head count, head dim, dtype,
 causal flag, scale and tiles pick a kernel.
@@ -70,7 +74,6 @@ Run:
     python examples/flash_attention/example_mha_fwd_varlen.py --compile-only --arch sm_90a  # no GPU
 """
 
-import functools
 import math
 import numbers
 import pathlib
@@ -89,6 +92,23 @@ PASS_CONFIGS = {
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_gqa_fwd_varlen as gqa  # noqa: E402  (the GQA varlen script, beside this one)
+
+# The host side is the GQA script's, unchanged for H = Hkv: the tile list (``tile_schedule``:
+# tiles of one head run side by side, heaviest first) and its per-batch cache, the tile
+# configurations, the reads and checks of cu_seqlens' values, and main's padded test batch.
+tile_schedule = gqa.tile_schedule
+_device_tile_schedule = gqa._device_tile_schedule
+default_config = gqa.default_config
+tune_configs = gqa.tune_configs
+device_arch = gqa.device_arch
+_host_values = gqa._host_values
+_check_values = gqa._check_values
+_bert_padding = gqa._bert_padding
+random_lengths = gqa.random_lengths
+padded_batch = gqa.padded_batch
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -378,114 +398,7 @@ def flashattn_fwd_varlen(
     return flash_fwd_varlen
 
 
-def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, num_sms):
-    """The persistent kernel's work list, from the cumulative lengths (Python ints, as
-    ``_host_values`` reads them): int32 ``[rounds, grid, 3]``, where entry ``[r, cta]`` is the
-    (query block, head, sequence) of the tile thread block ``cta`` runs in round ``r``, or
-    ``(-1, -1, -1)`` for none (only the last round has such gaps). ``grid`` is at most
-    ``num_sms``, and fewer when there are fewer tiles.
-
-    Every (sequence, head, query block) of a sequence with queries is one tile; a sequence
-    without queries has none. A tile's cost is the key blocks it visits (the kernel's
-    ``key_blocks``) plus one for loading Q and storing O. Sequences go heaviest first (their
-    total cost); within a sequence, head by head, the query blocks of a head last to first (the
-    heaviest first when causal), so the tiles of a round mostly share a few heads' K and V in
-    L2. The list is dealt in rounds of ``grid`` tiles, one tile per thread block; within a round
-    the heaviest tile goes to the thread block with the least work so far."""
-    cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int64)
-    cu_k = torch.tensor(cu_seqlens_k, dtype=torch.int64)
-    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    m_blocks = (len_q + block_M - 1) // block_M
-    per_sequence = m_blocks * heads
-    seq = torch.repeat_interleave(torch.arange(len(len_q)), per_sequence)
-    j = torch.arange(len(seq)) - (torch.cumsum(per_sequence, 0) - per_sequence)[seq]
-    head = j // m_blocks[seq]
-    m_blk = m_blocks[seq] - 1 - j % m_blocks[seq]
-    n_blocks = (len_k[seq] + block_N - 1) // block_N  # as key_blocks in the kernel
-    if causal:
-        last_key = (m_blk + 1) * block_M + len_k[seq] - len_q[seq]
-        n_blocks = torch.minimum(n_blocks, (last_key + block_N - 1) // block_N)
-    cost = n_blocks.clamp(min=1) + 1
-    sequence_cost = torch.zeros(len(len_q), dtype=torch.int64).index_add_(0, seq, cost)
-    rank = torch.empty_like(sequence_cost)
-    rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
-    order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
-    entries = torch.stack([m_blk, head, seq], dim=1)[order]
-    cost = cost[order]
-
-    grid = max(1, min(num_sms, len(order)))
-    rounds = (len(order) + grid - 1) // grid
-    table = torch.full((rounds, grid, 3), -1, dtype=torch.int32)
-    load = torch.zeros(grid, dtype=torch.int64)  # the work each thread block has so far
-    for r in range(rounds):
-        this_round = slice(r * grid, (r + 1) * grid)
-        heaviest_first = torch.argsort(cost[this_round], descending=True, stable=True)
-        least_loaded = torch.argsort(load, stable=True)[: len(heaviest_first)]
-        table[r, least_loaded] = entries[this_round][heaviest_first].to(torch.int32)
-        load[least_loaded] += cost[this_round][heaviest_first]
-    return table
-
-
-@functools.lru_cache(maxsize=64)
-def _device_tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, device):
-    """``tile_schedule`` on ``device`` for one thread block per SM, kept for the next call with
-    the same lengths (a model's layers share one batch's ``cu_seqlens``): building it costs host
-    time and a copy to the device."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    table = tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, num_sms)
-    return table.to(device)
-
-
-def default_config(dim, arch="sm_90a", causal=False):
-    """Tile configuration: the persistent dense forward's (example_mha_fwd_bshd.py).
-
-    D=128: 128×128 tiles (two consumer warpgroups at 240 registers), two K/V stages. D=64:
-    192-row tiles (three consumer warpgroups at 160 registers), except causal, where the dense
-    kernel measured 128-row tiles faster for keys up to 2048 (a packed batch's sequences are
-    usually that short). ``--tune`` compares the alternatives on a real batch. Hopper only
-    (other archs do not build).
-    """
-    if not arch.startswith("sm_90"):
-        raise ValueError(
-            f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg); "
-            "for Blackwell see examples/flash_attention_sm100/"
-        )
-    if dim <= 64 and not causal:
-        return dict(block_M=192, block_N=128, num_stages=2)
-    return dict(block_M=128, block_N=128, num_stages=2)
-
-
-def tune_configs(dim):
-    """The small space ``--tune`` compares (64 query rows per consumer warpgroup); D=128 keeps to
-    two consumer warpgroups, as the dense kernel does (with a third, registers run short)."""
-    rows = (64, 128, 192) if dim <= 64 else (64, 128)
-    return [
-        dict(block_M=bm, block_N=bn, num_stages=st)
-        for bm in rows
-        for bn in (64, 128)
-        for st in (1, 2)
-    ]
-
-
 # ----------------------------------------------------------------------------- torch-facing
-def device_arch(device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-
-
-def _host_values(cu):
-    """``cu``'s values as a Python list. Reading them makes the host wait for the GPU, which
-    costs more than a short kernel, so they are kept on the tensor itself for its next call (a
-    model passes the same ``cu_seqlens`` to every layer); an in-place change bumps the tensor's
-    version counter and forces a fresh read."""
-    kept = getattr(cu, "_host_values", None)
-    if kept is not None and kept[0] == cu._version:
-        return kept[1]
-    values = cu.tolist()
-    cu._host_values = (cu._version, values)
-    return values
-
-
 def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
 ):
@@ -536,38 +449,6 @@ def _check_inputs(
             )
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, integer):
             raise ValueError(f"max_seqlen_{side} must be an int, got {type(max_seqlen).__name__}")
-
-
-def _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """The checks that need cu_seqlens' values (0 first, non-decreasing, last = its token count,
-    max_seqlen at least the longest sequence), on every call; then the device, last, so any other
-    needs no GPU. The values are read from the device once per tensor (``_host_values``)."""
-    sides = (
-        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
-    )
-    for side, cu, total, max_seqlen in sides:
-        name = f"cu_seqlens_{side}"
-        values = _host_values(cu)
-        lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        if min(lengths, default=0) < 0:
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
-            raise ValueError(
-                f"{name} must end at the token count {total} (the first dim of the packed "
-                f"tensor), got {values[-1]}"
-            )
-        name, longest = f"max_seqlen_{side}", max(lengths, default=0)
-        if max_seqlen < longest:
-            raise ValueError(
-                f"{name} ({max_seqlen}) must be at least the longest sequence, {longest}"
-            )
-    if not (q.is_cuda and q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
-        )
 
 
 def attention_forward(
@@ -749,14 +630,6 @@ def _harness():
     return harness
 
 
-def _bert_padding():
-    """bert_padding.py at the repository root: padded batch + mask <-> packed tokens."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-    import bert_padding
-
-    return bert_padding
-
-
 def build_parser():
     parser = _harness().base_parser(
         __doc__.splitlines()[0], archs=ARCHS, dims=HEAD_DIMS, seq_len=2048
@@ -768,28 +641,6 @@ def build_parser():
         "the maximum."
     )
     return parser
-
-
-def random_lengths(batch, max_len, generator):
-    """Random lengths in 1..max_len, with 1 and max_len both present when batch >= 2."""
-    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator)
-    if batch >= 2:
-        lengths[0], lengths[-1] = 1, max_len
-    return lengths
-
-
-def padded_batch(batch, max_q, max_k, heads, heads_kv, dim, dtype, distinct_k, seed=0):
-    """A padded batch with random lengths: q/k/v ``[B, S, H, D]`` (normal values, zeros in the
-    padding) and their masks ``[B, S]`` (valid tokens first)."""
-    g = torch.Generator().manual_seed(seed)
-    len_q = random_lengths(batch, max_q, g)
-    len_k = random_lengths(batch, max_k, g) if distinct_k else len_q
-    mask_q = torch.arange(max_q)[None, :] < len_q[:, None]
-    mask_k = torch.arange(max_k)[None, :] < len_k[:, None]
-    q = torch.randn(batch, max_q, heads, dim, generator=g) * mask_q[..., None, None]
-    k = torch.randn(batch, max_k, heads_kv, dim, generator=g) * mask_k[..., None, None]
-    v = torch.randn(batch, max_k, heads_kv, dim, generator=g) * mask_k[..., None, None]
-    return [t.to("cuda", dtype) for t in (q, k, v)], mask_q.cuda(), mask_k.cuda()
 
 
 def _config_name(cfg):
