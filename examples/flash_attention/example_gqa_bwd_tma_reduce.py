@@ -15,7 +15,16 @@ in registers, postprocess — but with the dQ traffic handed to the Hopper TMA e
   ``T.atomic_add`` of the whole tile from shared memory, which TileLang vectorizes to four-float
   atomics (``AtomicAddx4``) on SM90; the postprocess casts it.
 
-Measured speeds, beside example_gqa_bwd.py's atomic dQ, are in the README.
+The forward pass is example_gqa_bwd.py's, imported from beside this file (with equal head dims
+on Hopper, example_gqa_fwd_bshd.py's persistent forward; with 192/128, example_gqa_bwd.py's
+pipelined kernel): the forward is not this script's subject.
+
+Here TileLang's automatic pipeline runs the kernel, so the warps that compute dq also issue its
+reduce-add. The hand-scheduled backward (example_mha_bwd_wgmma_pipelined.py, which
+example_gqa_bwd.py runs by default) issues the same TMA reduce-add from a producer warp: its
+consumers leave a finished dq tile in shared memory and go on. It also keeps a group's dK/dV in
+registers (one thread block walks every query head of the group), where this kernel adds them
+with regional atomics. Measured speeds, beside example_gqa_bwd.py's, are in the README.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. Rows that see no key give out 0, lse +inf and dq 0; an empty batch or
@@ -55,153 +64,13 @@ import tilelang
 import tilelang.language as T
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import example_gqa_bwd as gqa_bwd  # noqa: E402  (the sibling GQA backward script: its forward)
+
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128))  # (Dqk, Dv) pairs this script builds
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA loads and reduce-adds, WGMMA)
-
-
-# ----------------------------------------------------------------------------- forward kernel
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def flashattn_fwd(
-    batch,
-    heads,
-    heads_kv,
-    seq_q,
-    seq_kv,
-    dim_qk,
-    dim_v,
-    causal,
-    softmax_scale,
-    dtype="float16",
-    block_M=128,
-    block_N=128,
-    num_stages=1,
-    threads=256,
-):
-    """The GQA online-softmax forward (T.Pipelined), with separate Q/K and V head dims."""
-    groups = heads // heads_kv
-    accum_dtype = "float32"
-    scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
-    offset = seq_kv - seq_q  # bottom-right causal alignment
-    neg_inf = -T.infinity(accum_dtype)
-
-    # The steps of one key block and the epilogue, named. T.macro is inlined: the generated
-    # CUDA is the same as with the steps written out in the loop.
-    @T.macro
-    def scores(Q_shared, K_shared, acc_s):
-        # S = Q Kᵀ of one key block.
-        T.gemm(
-            Q_shared,
-            K_shared,
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
-
-    @T.macro
-    def mask(k, first_masked, bx, acc_s):
-        if k >= first_masked:
-            for i, j in T.Parallel(block_M, block_N):
-                key = k * block_N + j
-                visible = key < seq_kv
-                if causal:
-                    visible = visible and key <= bx * block_M + i + offset
-                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
-
-    @T.macro
-    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
-        # Online softmax: new row max, and the factor that rescales what came before.
-        T.copy(scores_max, scores_max_prev)
-        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-        for i in T.Parallel(block_M):
-            # max stays -inf while a row has seen no key; 0 keeps exp2 away from NaN
-            scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-            scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-        for i, j in T.Parallel(block_M, block_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-        T.reduce_sum(acc_s, scores_sum, dim=1)
-        for i in T.Parallel(block_M):
-            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-
-    @T.macro
-    def rescale(acc_o, scores_scale):
-        for i, j in T.Parallel(block_M, dim_v):
-            acc_o[i, j] *= scores_scale[i]
-
-    @T.macro
-    def pv(acc_s_cast, V_shared, acc_o):
-        # O += P V of one key block.
-        T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-    @T.macro
-    def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz):
-        # Rows with no visible key (logsum = 0): O = 0 and lse = +inf.
-        for i, j in T.Parallel(block_M, dim_v):
-            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-        T.copy(acc_o, O_shared)
-        T.copy(O_shared, Output[bz, bx * block_M : (bx + 1) * block_M, by, :])
-        for i in T.Parallel(block_M):
-            if bx * block_M + i < seq_q:
-                lse[bz, by, bx * block_M + i] = T.if_then_else(
-                    logsum[i] > 0,
-                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                    T.infinity(accum_dtype),
-                )
-
-    @T.prim_func
-    def flash_fwd(
-        Q: T.Tensor([batch, seq_q, heads, dim_qk], dtype),
-        K: T.Tensor([batch, seq_kv, heads_kv, dim_qk], dtype),
-        V: T.Tensor([batch, seq_kv, heads_kv, dim_v], dtype),
-        Output: T.Tensor([batch, seq_q, heads, dim_v], dtype),
-        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
-    ):
-        with T.Kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
-            Q_shared = T.alloc_shared([block_M, dim_qk], dtype)
-            K_shared = T.alloc_shared([block_N, dim_qk], dtype)
-            V_shared = T.alloc_shared([block_N, dim_v], dtype)
-            O_shared = T.alloc_shared([block_M, dim_v], dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim_v], accum_dtype)
-            scores_max = T.alloc_fragment([block_M], accum_dtype)
-            scores_max_prev = T.alloc_fragment([block_M], accum_dtype)
-            scores_scale = T.alloc_fragment([block_M], accum_dtype)
-            scores_sum = T.alloc_fragment([block_M], accum_dtype)
-            logsum = T.alloc_fragment([block_M], accum_dtype)
-
-            T.copy(Q[bz, bx * block_M : (bx + 1) * block_M, by, :], Q_shared)
-            T.fill(acc_o, 0)
-            T.fill(logsum, 0)
-            T.fill(scores_max, neg_inf)
-
-            # Only the ragged tail block and, when causal, the diagonal blocks need a mask.
-            n_blocks = T.ceildiv(seq_kv, block_N)
-            first_masked = seq_kv // block_N
-            if causal:
-                last_key = (bx + 1) * block_M + offset  # one past the last key this block sees
-                # At least one (fully masked) block even when no row here sees a key (Sq > Sk):
-                # the loop is where the consumers wait for the Q tile's TMA load, and a load
-                # still in flight at exit could land on O_shared.
-                n_blocks = T.max(1, T.min(n_blocks, T.ceildiv(last_key, block_N)))
-                first_masked = T.min(first_masked, T.max(0, (bx * block_M + offset) // block_N))
-
-            for k in T.Pipelined(n_blocks, num_stages=num_stages):
-                T.copy(K[bz, k * block_N : (k + 1) * block_N, by // groups, :], K_shared)
-                scores(Q_shared, K_shared, acc_s)
-                mask(k, first_masked, bx, acc_s)
-                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
-                T.copy(acc_s, acc_s_cast)
-                rescale(acc_o, scores_scale)
-
-                T.copy(V[bz, k * block_N : (k + 1) * block_N, by // groups, :], V_shared)
-                pv(acc_s_cast, V_shared, acc_o)
-
-            epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, bx, by, bz)
-
-    return flash_fwd
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -448,17 +317,6 @@ def flashattn_bwd_postprocess_kv(batch, heads_kv, seq_kv, dim, dtype="float16", 
 
 
 # ----------------------------------------------------------------------------- configurations
-def forward_config(dim_qk, arch="sm_90a"):
-    """Forward tiles (the forward is not this script's subject: see example_gqa_fwd_bshd.py)."""
-    if not arch.startswith("sm_90"):
-        raise ValueError(f"arch {arch}: this script is written for Hopper (sm_90a: TMA reduce-add)")
-    if dim_qk <= 64:
-        return dict(block_M=128, block_N=128, num_stages=2, threads=256)
-    if dim_qk <= 128:
-        return dict(block_M=128, block_N=128, num_stages=1, threads=256)
-    return dict(block_M=128, block_N=64, num_stages=1, threads=256)
-
-
 def default_config(dim_qk, dim_v, arch="sm_90a"):
     """Backward tiles: block_M keys per thread block, block_N queries per step.
 
@@ -536,22 +394,10 @@ def _check_inputs(q, k, v, causal, softmax_scale):
 
 
 def attention_forward(q, k, v, causal, softmax_scale):
-    """Forward kernel alone: ``out [B, Sq, H, Dv]`` and ``lse [B, H, Sq]`` (float32, natural
-    log)."""
-    B, Sq, H, Dqk = q.shape
-    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
-        out.zero_()
-        lse.fill_(math.inf)
-    elif out.numel() > 0:
-        fwd_cfg = forward_config(Dqk, device_arch(q.device))
-        kernel = flashattn_fwd(
-            B, H, Hkv, Sq, Sk, Dqk, Dv, causal, softmax_scale, dtype_name(q), **fwd_cfg
-        )
-        kernel(q, k, v, out, lse)
-    return out, lse
+    """example_gqa_bwd.py's forward: ``out [B, Sq, H, Dv]`` and ``lse [B, H, Sq]`` (float32,
+    natural log). On Hopper with equal head dims that is example_gqa_fwd_bshd.py's persistent
+    forward; with 192/128, example_gqa_bwd.py's pipelined kernel."""
+    return gqa_bwd.attention_forward(q, k, v, causal, softmax_scale)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
@@ -774,8 +620,17 @@ def compile_all(
     cfg = config or default_config(dim_qk, dim_v, arch)
     attn = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, dim_v, causal, scale, dtype)
     kv = (batch, heads_kv, seq_k)
+    if dim_qk == dim_v:  # the persistent forward, as attention_forward runs it
+        fast = gqa_bwd.fast_fwd
+        fwd_args = (batch, heads, heads_kv, seq_q, seq_k, dim_qk, causal, scale, dtype)
+        fwd_cfg = fast.default_config(dim_qk, causal, arch, seq_k)
+        forward = {"flash_fwd": (fast.flashattn_fwd, fwd_args, fwd_cfg)}
+    else:
+        forward = {
+            "flashattn_fwd": (gqa_bwd.flashattn_fwd, attn, gqa_bwd.forward_config(dim_qk, arch))
+        }
     kernels = {
-        "flashattn_fwd": (flashattn_fwd, attn, forward_config(dim_qk, arch)),
+        **forward,
         "flashattn_bwd_preprocess": (
             flashattn_bwd_preprocess,
             (batch, heads, seq_q, dim_v, dtype),
