@@ -912,7 +912,10 @@ def default_config(dim, arch="sm_90a"):
     run longest, one thread block taking two key blocks (bx and the last − bx, so that all walk
     the same number of steps) lost 0.5-7% on ten H32/Hkv8 and H64/Hkv8 rows (2026-11-23; S4096
     D128 bf16: 421 against 444 TFLOP/s): the second block's K and V load waits for the first
-    one's epilogue.
+    one's epilogue. Starting each thread block's walk over the query blocks at a different one
+    (so that the blocks of a head do not reduce-add into the same dQ tile at once) lost too
+    (2026-11-23, D128: level at S4096, 1-7% slower at S8192 and S16384): blocks of a head
+    reading the same Q and dO tiles together share them in L2.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
