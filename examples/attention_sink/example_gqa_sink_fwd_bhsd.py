@@ -163,6 +163,7 @@ def flashattn_fwd(
     block_N=128,
     num_stages=2,
     num_sms=132,  # an H100 SXM's; attention() passes the device's own count
+    q_stages=1,
 ):
     groups = heads // heads_kv
     accum_dtype = "float32"
@@ -219,13 +220,18 @@ def flashattn_fwd(
     # written out in the loops below.
     @T.macro
     def load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz):
+        slot = tile_count % q_stages
         # Producer: wait until the consumers are done with the last tile's Q, then load this
         # one. A fresh mbarrier counts as having completed the phase before phase 0, so the
         # first wait on an "empty" barrier (parity 1) passes at once. Rows past Sq read as
         # zeros (TMA fills out of bounds).
-        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
-        T.tma_copy(Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :], Q_shared, barrier=q_full)
-        T.barrier_arrive(q_full)
+        T.mbarrier_wait_parity(q_empty[slot], ((tile_count // q_stages) & 1) ^ 1)
+        T.tma_copy(
+            Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :],
+            Q_shared[slot, :, :],
+            barrier=q_full[slot],
+        )
+        T.barrier_arrive(q_full[slot])
 
     @T.macro
     def load_kv(K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty, g, kb, by, bz):
@@ -303,7 +309,7 @@ def flashattn_fwd(
 
     @T.macro
     def key_step(
-        g, kb, masked, m_blk, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
+        g, kb, masked, m_blk, q_slot, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
         scores_max, scores_max_prev, scores_scale, scores_sum, logsum, k_full, v_full, k_empty,
         v_empty,
     ):  # fmt: skip
@@ -314,7 +320,7 @@ def flashattn_fwd(
         prev = (g - 1) % num_stages
         T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
         T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-        scores(Q_shared, K_shared[stage, :, :], acc_s)
+        scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
         pv(acc_s_cast, V_shared[prev, :, :], acc_o)
         T.wait_wgmma(1)  # S is ready; the previous block's P V may still run
         T.barrier_arrive(k_empty[stage])
@@ -373,7 +379,7 @@ def flashattn_fwd(
         lse: T.Tensor([batch, heads, seq_q], accum_dtype),
     ):
         with T.Kernel(grid, threads=consumers + 128) as cta:
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([q_stages, block_M, dim], dtype)
             K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             O_shared = T.alloc_shared([block_M, dim], dtype)
@@ -389,8 +395,8 @@ def flashattn_fwd(
             # mbarriers between producer and consumers. "full": the producer's 128 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier(128)
-            q_empty = T.alloc_barrier(consumers)
+            q_full = T.alloc_barrier([128] * q_stages)
+            q_empty = T.alloc_barrier([consumers] * q_stages)
             k_full = T.alloc_barrier([128] * num_stages)
             v_full = T.alloc_barrier([128] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
@@ -440,13 +446,14 @@ def flashattn_fwd(
                         T.fill(scores_max, neg_inf)
                         if has_sinks:  # loaded now, used in the epilogue: its latency hides
                             sink = Sinks[by]
-                        T.mbarrier_wait_parity(q_full, tile_count & 1)
+                        q_slot = tile_count % q_stages
+                        T.mbarrier_wait_parity(q_full[q_slot], (tile_count // q_stages) & 1)
 
                         # First key block of the window: S = Q Kᵀ, its softmax; P waits in
                         # registers.
                         stage = kv_count % num_stages
                         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
-                        scores(Q_shared, K_shared[stage, :, :], acc_s)
+                        scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         if window_left >= 0:
@@ -469,19 +476,25 @@ def flashattn_fwd(
                         # 0.1.15's ThreadSync pass on some causal shapes.
                         if window_left >= 0:
                             for k in T.serial(1, n_left):
-                                key_step(kv_count + k, n_start + k, True, m_blk, *step_buffers)
+                                key_step(
+                                    kv_count + k, n_start + k, True, m_blk, q_slot, *step_buffers
+                                )
                             for k in T.serial(T.max(1, n_left), n_inner_end):
-                                key_step(kv_count + k, n_start + k, False, m_blk, *step_buffers)
+                                key_step(
+                                    kv_count + k, n_start + k, False, m_blk, q_slot, *step_buffers
+                                )
                             for k in T.serial(T.max(1, n_inner_end), n_blocks):
-                                key_step(kv_count + k, n_start + k, True, m_blk, *step_buffers)
+                                key_step(
+                                    kv_count + k, n_start + k, True, m_blk, q_slot, *step_buffers
+                                )
                         else:
                             for k in T.serial(1, n_blocks):
                                 key_step(
-                                    kv_count + k, n_start + k, k >= n_inner_end, m_blk,
+                                    kv_count + k, n_start + k, k >= n_inner_end, m_blk, q_slot,
                                     *step_buffers,
                                 )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
-                        T.barrier_arrive(q_empty)
+                        T.barrier_arrive(q_empty[q_slot])
 
                         g = kv_count + n_blocks - 1
                         stage = g % num_stages
