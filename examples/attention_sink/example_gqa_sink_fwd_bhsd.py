@@ -38,7 +38,12 @@ per SM walking a list of tiles):
 - the sink is folded into the softmax once, in the epilogue, after the key loop: the final row
   maximum is ``max(running max, sink)``, and the accumulator and the running sum are rescaled by
   ``exp(running max − final max) <= 1``, so no exponential ever exceeds 1 (see ``epilogue``);
-  the online softmax of the key loop is the dense kernel's, unchanged.
+  the online softmax of the key loop is the dense kernel's, unchanged;
+- Q in two shared-memory slots (``q_stages=2``): a narrow window gives a tile two or three key
+  blocks, so the tile's start is a large share of its time. With one slot the producer can load
+  the next tile's Q only once this tile's last Q Kᵀ is done, and the next tile's first Q Kᵀ
+  waits for that load; with two, the next Q (and its first K/V blocks) load while this tile
+  still computes.
 
 API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 
@@ -56,7 +61,8 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
     return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, natural log,
         including the sink (above); +inf for a row that sees no key.
-    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
+    config: dict. Tile configuration (block_M, block_N, num_stages, q_stages); default
+        ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), or (out, lse) when return_lse.
 
 Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_fwd_bhsd``
@@ -529,18 +535,29 @@ def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     (H100, 2026-11-23, every ``tune_configs`` entry of 64 and 128 rows in one process, S=4096
     and 8192), 128×128 with two stages was fastest; one stage took 2-4% longer, 128×64 tiles
     9-21%, 64-row tiles 15-42%.
+
+    Q takes two shared-memory slots (``q_stages=2``) wherever they fit: every tile but D=64's
+    192 rows, where the second slot makes ptxas spill. Measured against one slot in one process
+    (H100, 2026-11-23, bf16, causal windows, GQA H64/Hkv8 D64 unless said): window 128, S4096
+    0.069 against 0.081 ms, S8192 0.129 against 0.145, S16384 0.245 against 0.275; window 256,
+    B8 S2048 0.321 against 0.364; window 1024 (B2 H32/Hkv8 S8192 D128) 0.553 against 0.553; no
+    window (B4 H32/Hkv8 S4096 D128) 0.977 against 0.974. Outputs bit-identical.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
             f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg)"
         )
     left, right = window
+    block_M = 128
     if dim <= 64:
         short = right >= 0 and seq_len is not None and seq_len <= 2048
-        if left >= 0 or short:
-            return dict(block_M=128, block_N=128, num_stages=2)
-        return dict(block_M=192, block_N=128, num_stages=2)
-    return dict(block_M=128, block_N=128, num_stages=2)
+        block_M = 128 if left >= 0 or short else 192
+    return dict(block_M=block_M, block_N=128, num_stages=2, q_stages=q_slots(block_M))
+
+
+def q_slots(block_M):
+    """Shared-memory slots for Q: two (``default_config``), one for 192-row tiles."""
+    return 1 if block_M > 128 else 2
 
 
 def tune_configs(dim):
@@ -548,7 +565,7 @@ def tune_configs(dim):
     warpgroups at most: with a third, 128 registers a thread are too few)."""
     rows = (64, 128, 192) if dim <= 64 else (64, 128)
     return [
-        dict(block_M=bm, block_N=bn, num_stages=st)
+        dict(block_M=bm, block_N=bn, num_stages=st, q_stages=q_slots(bm))
         for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
@@ -668,7 +685,7 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
 # window travels as its two ints, as the caller gave them (normalize_window needs the lengths,
 # which may be symbolic in traced code: it runs in the operator). A config travels as its values
 # in CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages")
 
 
 @torch.library.custom_op("tl_attn::gqa_sink_fwd_bhsd", mutates_args=())
