@@ -38,7 +38,12 @@ per SM walking a list of tiles):
 - the sink is folded into the softmax once, in the epilogue, after the key loop: the final row
   maximum is ``max(running max, sink)``, and the accumulator and the running sum are rescaled by
   ``exp(running max − final max) <= 1``, so no exponential ever exceeds 1 (see ``epilogue``);
-  the online softmax of the key loop is the dense kernel's, unchanged.
+  the online softmax of the key loop is the dense kernel's, unchanged;
+- Q in two shared-memory slots (``q_stages=2``): a narrow window gives a tile two or three key
+  blocks, so the tile's start is a large share of its time. With one slot the producer can load
+  the next tile's Q only once this tile's last Q Kᵀ is done, and the next tile's first Q Kᵀ
+  waits for that load; with two, the next Q (and its first K/V blocks) load while this tile
+  still computes.
 
 API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 
@@ -56,7 +61,8 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
     return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, natural log,
         including the sink (above); +inf for a row that sees no key.
-    config: dict. Tile configuration (block_M, block_N, num_stages); default ``default_config``.
+    config: dict. Tile configuration (block_M, block_N, num_stages, q_stages); default
+        ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), or (out, lse) when return_lse.
 
 Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_fwd_bhsd``
@@ -163,6 +169,7 @@ def flashattn_fwd(
     block_N=128,
     num_stages=2,
     num_sms=132,  # an H100 SXM's; attention() passes the device's own count
+    q_stages=1,
 ):
     groups = heads // heads_kv
     accum_dtype = "float32"
@@ -219,13 +226,18 @@ def flashattn_fwd(
     # written out in the loops below.
     @T.macro
     def load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz):
+        slot = tile_count % q_stages
         # Producer: wait until the consumers are done with the last tile's Q, then load this
         # one. A fresh mbarrier counts as having completed the phase before phase 0, so the
         # first wait on an "empty" barrier (parity 1) passes at once. Rows past Sq read as
         # zeros (TMA fills out of bounds).
-        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
-        T.tma_copy(Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :], Q_shared, barrier=q_full)
-        T.barrier_arrive(q_full)
+        T.mbarrier_wait_parity(q_empty[slot], ((tile_count // q_stages) & 1) ^ 1)
+        T.tma_copy(
+            Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :],
+            Q_shared[slot, :, :],
+            barrier=q_full[slot],
+        )
+        T.barrier_arrive(q_full[slot])
 
     @T.macro
     def load_kv(K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty, g, kb, by, bz):
@@ -303,7 +315,7 @@ def flashattn_fwd(
 
     @T.macro
     def key_step(
-        g, kb, masked, m_blk, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
+        g, kb, masked, m_blk, q_slot, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
         scores_max, scores_max_prev, scores_scale, scores_sum, logsum, k_full, v_full, k_empty,
         v_empty,
     ):  # fmt: skip
@@ -314,7 +326,7 @@ def flashattn_fwd(
         prev = (g - 1) % num_stages
         T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
         T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-        scores(Q_shared, K_shared[stage, :, :], acc_s)
+        scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
         pv(acc_s_cast, V_shared[prev, :, :], acc_o)
         T.wait_wgmma(1)  # S is ready; the previous block's P V may still run
         T.barrier_arrive(k_empty[stage])
@@ -373,7 +385,7 @@ def flashattn_fwd(
         lse: T.Tensor([batch, heads, seq_q], accum_dtype),
     ):
         with T.Kernel(grid, threads=consumers + 128) as cta:
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([q_stages, block_M, dim], dtype)
             K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             O_shared = T.alloc_shared([block_M, dim], dtype)
@@ -389,8 +401,8 @@ def flashattn_fwd(
             # mbarriers between producer and consumers. "full": the producer's 128 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier(128)
-            q_empty = T.alloc_barrier(consumers)
+            q_full = T.alloc_barrier([128] * q_stages)
+            q_empty = T.alloc_barrier([consumers] * q_stages)
             k_full = T.alloc_barrier([128] * num_stages)
             v_full = T.alloc_barrier([128] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
@@ -440,13 +452,14 @@ def flashattn_fwd(
                         T.fill(scores_max, neg_inf)
                         if has_sinks:  # loaded now, used in the epilogue: its latency hides
                             sink = Sinks[by]
-                        T.mbarrier_wait_parity(q_full, tile_count & 1)
+                        q_slot = tile_count % q_stages
+                        T.mbarrier_wait_parity(q_full[q_slot], (tile_count // q_stages) & 1)
 
                         # First key block of the window: S = Q Kᵀ, its softmax; P waits in
                         # registers.
                         stage = kv_count % num_stages
                         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
-                        scores(Q_shared, K_shared[stage, :, :], acc_s)
+                        scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         if window_left >= 0:
@@ -469,19 +482,25 @@ def flashattn_fwd(
                         # 0.1.15's ThreadSync pass on some causal shapes.
                         if window_left >= 0:
                             for k in T.serial(1, n_left):
-                                key_step(kv_count + k, n_start + k, True, m_blk, *step_buffers)
+                                key_step(
+                                    kv_count + k, n_start + k, True, m_blk, q_slot, *step_buffers
+                                )
                             for k in T.serial(T.max(1, n_left), n_inner_end):
-                                key_step(kv_count + k, n_start + k, False, m_blk, *step_buffers)
+                                key_step(
+                                    kv_count + k, n_start + k, False, m_blk, q_slot, *step_buffers
+                                )
                             for k in T.serial(T.max(1, n_inner_end), n_blocks):
-                                key_step(kv_count + k, n_start + k, True, m_blk, *step_buffers)
+                                key_step(
+                                    kv_count + k, n_start + k, True, m_blk, q_slot, *step_buffers
+                                )
                         else:
                             for k in T.serial(1, n_blocks):
                                 key_step(
-                                    kv_count + k, n_start + k, k >= n_inner_end, m_blk,
+                                    kv_count + k, n_start + k, k >= n_inner_end, m_blk, q_slot,
                                     *step_buffers,
                                 )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
-                        T.barrier_arrive(q_empty)
+                        T.barrier_arrive(q_empty[q_slot])
 
                         g = kv_count + n_blocks - 1
                         stage = g % num_stages
@@ -516,18 +535,29 @@ def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     (H100, 2026-11-23, every ``tune_configs`` entry of 64 and 128 rows in one process, S=4096
     and 8192), 128×128 with two stages was fastest; one stage took 2-4% longer, 128×64 tiles
     9-21%, 64-row tiles 15-42%.
+
+    Q takes two shared-memory slots (``q_stages=2``) wherever they fit: every tile but D=64's
+    192 rows, where the second slot makes ptxas spill. Measured against one slot in one process
+    (H100, 2026-11-23, bf16, causal windows, GQA H64/Hkv8 D64 unless said): window 128, S4096
+    0.069 against 0.081 ms, S8192 0.129 against 0.145, S16384 0.245 against 0.275; window 256,
+    B8 S2048 0.321 against 0.364; window 1024 (B2 H32/Hkv8 S8192 D128) 0.553 against 0.553; no
+    window (B4 H32/Hkv8 S4096 D128) 0.977 against 0.974. Outputs bit-identical.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
             f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg)"
         )
     left, right = window
+    block_M = 128
     if dim <= 64:
         short = right >= 0 and seq_len is not None and seq_len <= 2048
-        if left >= 0 or short:
-            return dict(block_M=128, block_N=128, num_stages=2)
-        return dict(block_M=192, block_N=128, num_stages=2)
-    return dict(block_M=128, block_N=128, num_stages=2)
+        block_M = 128 if left >= 0 or short else 192
+    return dict(block_M=block_M, block_N=128, num_stages=2, q_stages=q_slots(block_M))
+
+
+def q_slots(block_M):
+    """Shared-memory slots for Q: two (``default_config``), one for 192-row tiles."""
+    return 1 if block_M > 128 else 2
 
 
 def tune_configs(dim):
@@ -535,7 +565,7 @@ def tune_configs(dim):
     warpgroups at most: with a third, 128 registers a thread are too few)."""
     rows = (64, 128, 192) if dim <= 64 else (64, 128)
     return [
-        dict(block_M=bm, block_N=bn, num_stages=st)
+        dict(block_M=bm, block_N=bn, num_stages=st, q_stages=q_slots(bm))
         for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
@@ -655,7 +685,7 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
 # window travels as its two ints, as the caller gave them (normalize_window needs the lengths,
 # which may be symbolic in traced code: it runs in the operator). A config travels as its values
 # in CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages")
 
 
 @torch.library.custom_op("tl_attn::gqa_sink_fwd_bhsd", mutates_args=())

@@ -453,6 +453,12 @@ def default_config(dim, arch="sm_90a", causal=False):
     kernel measured 128-row tiles faster for keys up to 2048 (a packed batch's sequences are
     usually that short). ``--tune`` compares the alternatives on a real batch. Hopper only
     (other archs do not build).
+
+    Q in two shared-memory slots (the next tile's Q loading while this one computes; kept in
+    the attention-sink forwards) measured level on bench_varlen's batches (H100, 2026-11-23,
+    bf16, H32 D128, in one process beside FlashAttention-3's varlen forward): 8 sequences up to
+    4096, 548 against 549 TFLOP/s (causal 493 against 493); 32 up to 1024, 414 against 415
+    (causal 305 against 298). Not kept.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(

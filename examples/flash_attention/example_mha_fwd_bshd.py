@@ -366,7 +366,11 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     causal 594 against 591; B16 S1024 549 against 548): the intra-warpgroup overlap already
     keeps the tensor cores busy. Wider D=128 tiles lost: 128x176 (FlashAttention-3's) 574
     against 607 at S4096 and 498 against 548 at S1024; 128x192 567 and 454; 128x160 with
-    ping-pong 603 and 494.
+    ping-pong 603 and 494. Q in two shared-memory slots (the next tile's Q loading while this
+    tile computes; kept in the attention-sink forwards, whose narrow windows make tiles short)
+    measured level or slower here: 584 against 607 TFLOP/s at B4 H32 S4096 D128, 547 against
+    542 causal, 572 against 577 at B2 S8192 causal, 429 against 419 at B16 S1024 causal, 423
+    against 425 at B8 H64 S4096 D64 causal.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
