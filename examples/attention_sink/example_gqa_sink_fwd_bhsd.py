@@ -541,7 +541,10 @@ def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     (H100, 2026-11-23, bf16, causal windows, GQA H64/Hkv8 D64 unless said): window 128, S4096
     0.069 against 0.081 ms, S8192 0.129 against 0.145, S16384 0.245 against 0.275; window 256,
     B8 S2048 0.321 against 0.364; window 1024 (B2 H32/Hkv8 S8192 D128) 0.553 against 0.553; no
-    window (B4 H32/Hkv8 S4096 D128) 0.977 against 0.974. Outputs bit-identical.
+    window (B4 H32/Hkv8 S4096 D128) 0.977 against 0.974. Outputs bit-identical. With two Q
+    slots, more K/V stages do not help a narrow window (H100, 2026-11-23, D64 H64/Hkv8, three
+    or four stages against two: −2% … +1% at windows 128, 256, 1024 and none, BHSD and varlen),
+    and 64-key blocks with four or six stages lose 4–21%.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
