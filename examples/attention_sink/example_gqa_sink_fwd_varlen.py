@@ -442,12 +442,9 @@ def flashattn_fwd_varlen(
                         else:
                             for k in T.serial(1, n_blocks):
                                 key_step(
-                                    kv_count + k,
-                                    n_start + k,
-                                    k >= n_inner_end,
-                                    q_slot,
+                                    kv_count + k, n_start + k, k >= n_inner_end, q_slot,
                                     *step_buffers,
-                                )
+                                )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty[q_slot])
 
