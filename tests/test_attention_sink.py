@@ -398,14 +398,65 @@ def test_sm90_build_holds_the_schedule_and_spills_nothing(build):
     kernel, cfg = _build(build)
     src = kernel.get_kernel_source()
     threads = 2 * cfg["block_M"] + 128
-    regs = min(240, (65536 - 128 * 24) // (2 * cfg["block_M"]) // 8 * 8)
-    assert f"__launch_bounds__({threads}, 1)" in src
+    ctas = cfg["ctas_per_sm"]  # thread blocks sharing an SM, each with its share of registers
+    regs = min(240, (65536 // ctas - 128 * 24) // (2 * cfg["block_M"]) // 8 * 8)
+    assert f"__launch_bounds__({threads}, {ctas})" in src
     assert "warpgroup_reg_dealloc<24>" in src and f"warpgroup_reg_alloc<{regs}>" in src
     assert "tma_load" in src and ".expect_transaction(" in src and ".wait(" in src
     assert "wgmma_ss" in src and "wgmma_rs" in src  # Q Kᵀ from shared, P V with P in registers
     assert src.count("wait_wgmma<1>") >= 1, "Q Kᵀ of block k overlaps P V of block k-1"
     assert ("Sinks[" in src) == build[5]
     assert_clean_build(kernel, threads, 24, regs)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_narrow_windows_take_two_thread_blocks_an_sm(dim):
+    """default_config: two thread blocks an SM (64×64 tiles) for a window bounded on both sides
+    and at most 256 keys wide, one otherwise; the varlen forward always one. Two fit an SM:
+    registers (the launch bound asks for them; 232 a consumer thread) and shared memory (the
+    H100's 228 KB an SM, 1 KB of it reserved per thread block)."""
+    import harness
+
+    mod = load_script(FWD)
+    for window, ctas in (((128, 0), 2), ((64, 64), 2), ((256, 0), 2), ((300, 0), 1)):
+        assert mod.default_config(dim, window, "sm_90a", 4096)["ctas_per_sm"] == ctas, window
+    for window in ((1024, 0), (-1, 0), (-1, -1), (0, -1)):
+        assert mod.default_config(dim, window, "sm_90a", 4096)["ctas_per_sm"] == 1, window
+    varlen = load_script(VARLEN)
+    assert "ctas_per_sm" not in varlen.default_config(dim, (128, 0), "sm_90a", 4096)
+    kernel, cfg = _build((dim, 4096, 4096, (128, 0), True, True, "bfloat16"))
+    assert cfg["ctas_per_sm"] == 2
+    src = kernel.get_kernel_source()
+    assert "__launch_bounds__(256, 2)" in src and "warpgroup_reg_alloc<232>" in src
+    from test_flash_bwd_fast import ptxas_report
+
+    static = int(re.search(r"(\d+) bytes smem", ptxas_report(src)).group(1))
+    assert 2 * (harness.dynamic_smem_bytes(kernel) + static + 1024) <= 228 * 1024
+
+
+def test_two_thread_block_default_falls_back_where_tilelang_rejects_it():
+    """A shape whose two-thread-block default TileLang 0.1.15 cannot lower (D=64, Sq=500,
+    Sk=700, window (100, 0)) builds with the one-thread-block tiles instead, and the rejection
+    is remembered: the failing build is tried once."""
+    import harness
+
+    mod = load_script(FWD)
+    args = (2, 8, 2, 500, 700, 64, 100, 0, True, 0.125, "float16")
+    tried = []
+
+    def build(tiles):
+        tried.append(tiles["ctas_per_sm"])
+        return harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **tiles)
+
+    cfg = mod.default_config(64, (100, 0), "sm_90a", 700)
+    single = mod.single_cta_config(64, (100, 0), "sm_90a", 700)
+    assert cfg["ctas_per_sm"] == 2 and single["ctas_per_sm"] == 1
+    kernel = mod.build_with_fallback(build, cfg, single, args)
+    assert "__launch_bounds__(384, 1)" in kernel.get_kernel_source()  # 128-row tiles
+    mod.build_with_fallback(build, cfg, single, args)
+    assert tried == [2, 1, 1]
+    with pytest.raises(Exception, match="ThreadSync"):  # the default really is rejected there
+        build(cfg)
 
 
 @pytest.mark.parametrize("left,runs", [(1000, 3), (-1, 1)])

@@ -43,7 +43,12 @@ per SM walking a list of tiles):
   blocks, so the tile's start is a large share of its time. With one slot the producer can load
   the next tile's Q only once this tile's last Q Kᵀ is done, and the next tile's first Q Kᵀ
   waits for that load; with two, the next Q (and its first K/V blocks) load while this tile
-  still computes.
+  still computes;
+- two thread blocks an SM for the narrowest windows (``ctas_per_sm=2``, 64-row tiles of 64
+  keys, half the register file each: ``__launch_bounds__(256, 2)``, 232 registers a consumer
+  thread). A tile there is one or two short key blocks, mostly waiting on its loads and on
+  its own chain of WGMMA, softmax and epilogue; a second thread block on the SM fills those
+  waits with its own tiles.
 
 API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 
@@ -61,8 +66,8 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
     return_lse: bool. Also return lse: (batch, nheads, seqlen_q), float32, natural log,
         including the sink (above); +inf for a row that sees no key.
-    config: dict. Tile configuration (block_M, block_N, num_stages, q_stages); default
-        ``default_config``.
+    config: dict. Tile configuration (block_M, block_N, num_stages, q_stages, ctas_per_sm);
+        default ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), or (out, lse) when return_lse.
 
 Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_fwd_bhsd``
@@ -170,6 +175,7 @@ def flashattn_fwd(
     num_stages=2,
     num_sms=132,  # an H100 SXM's; attention() passes the device's own count
     q_stages=1,
+    ctas_per_sm=1,
 ):
     groups = heads // heads_kv
     accum_dtype = "float32"
@@ -181,7 +187,9 @@ def flashattn_fwd(
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
     # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
     # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
-    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+    # With ctas_per_sm thread blocks sharing an SM, each has its share of the file.
+    regs = 65536 // ctas_per_sm
+    consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
@@ -195,7 +203,7 @@ def flashattn_fwd(
     one_sided = (window_left < 0) != (window_right < 0)
     tiles_per_unit = 2 if one_sided and num_tiles > num_sms else 1
     num_units = (num_tiles + tiles_per_unit - 1) // tiles_per_unit
-    grid = min(num_sms, num_units)
+    grid = min(num_sms * ctas_per_sm, num_units)
 
     def tile_index(cta, it):
         # The it-th tile of thread block cta: units dealt round-robin, a unit's tiles in a row.
@@ -385,6 +393,8 @@ def flashattn_fwd(
         lse: T.Tensor([batch, heads, seq_q], accum_dtype),
     ):
         with T.Kernel(grid, threads=consumers + 128) as cta:
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
             Q_shared = T.alloc_shared([q_stages, block_M, dim], dtype)
             K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -523,7 +533,28 @@ def flashattn_fwd(
 
 def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     """Tile configuration for a (head dim, window as the kernel takes it — see
-    ``normalize_window`` —, arch, key length ``seq_len``).
+    ``normalize_window`` —, arch, key length ``seq_len``): for a window bounded on both sides
+    and at most 256 keys wide, two thread blocks an SM with 64×64 tiles; otherwise
+    ``single_cta_config``'s.
+
+    Two thread blocks an SM against the default before them, one process (H100, 2026-11-23,
+    bf16, causal windows, sinks, graph replays): window 128, H64/Hkv8 D64, S4096 0.056 against
+    0.064 ms, S8192 0.107 against 0.124, S16384 0.221 against 0.247; D128 S8192 0.162 against
+    0.180; window 256 (B8 S2048 D64) 0.312 against 0.322; but window 1024 lost, D64 0.862
+    against 0.800 and D128 0.635 against 0.580 ms. 64×128 tiles with two thread blocks lost
+    2-6% at D64 (and do not fit twice at D128); three K/V stages were level at D64
+    (−0.3 … +1.7%) and lost 13-29% at D128, where they no longer fit twice. 64-row tiles with
+    one thread block an SM lost 33-35% at windows 128 and 256.
+    """
+    left, right = window
+    if left >= 0 and 0 <= right and left + right <= 256 and arch.startswith("sm_90"):
+        return dict(block_M=64, block_N=64, num_stages=2, q_stages=2, ctas_per_sm=2)
+    return single_cta_config(dim, window, arch, seq_len)
+
+
+def single_cta_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
+    """Tiles for one thread block an SM (every window but the narrowest, and the varlen sink
+    forward's always).
 
     The dense GQA forward's tiles (examples/flash_attention/example_gqa_fwd_bshd.py, measured on
     an H100 with full and causal masks), except where this kernel's masks need more registers:
@@ -555,7 +586,8 @@ def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     if dim <= 64:
         short = right >= 0 and seq_len is not None and seq_len <= 2048
         block_M = 128 if left >= 0 or short else 192
-    return dict(block_M=block_M, block_N=128, num_stages=2, q_stages=q_slots(block_M))
+    q_stages = q_slots(block_M)
+    return dict(block_M=block_M, block_N=128, num_stages=2, q_stages=q_stages, ctas_per_sm=1)
 
 
 def q_slots(block_M):
@@ -565,14 +597,15 @@ def q_slots(block_M):
 
 def tune_configs(dim):
     """The small space ``--tune`` compares (64 query rows per consumer warpgroup; at D=128 two
-    warpgroups at most: with a third, 128 registers a thread are too few)."""
+    warpgroups at most: with a third, 128 registers a thread are too few), and the two-thread-
+    block tiles of ``default_config``."""
     rows = (64, 128, 192) if dim <= 64 else (64, 128)
     return [
-        dict(block_M=bm, block_N=bn, num_stages=st, q_stages=q_slots(bm))
+        dict(block_M=bm, block_N=bn, num_stages=st, q_stages=q_slots(bm), ctas_per_sm=1)
         for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
-    ]
+    ] + [dict(block_M=64, block_N=64, num_stages=2, q_stages=2, ctas_per_sm=2)]
 
 
 # ----------------------------------------------------------------------------- torch-facing
@@ -662,7 +695,8 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     left, right = normalize_window(window_size, causal, Sq, Sk)
-    measured = default_config(D, (left, right), device_arch(q.device), Sk)  # raises off Hopper
+    arch = device_arch(q.device)
+    measured = default_config(D, (left, right), arch, Sk)  # raises off Hopper
     cfg = config or measured
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     out = torch.empty_like(q)
@@ -674,12 +708,37 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
         has_sinks = sinks is not None
         # The kernel takes a sinks tensor either way; without sinks it never reads it.
         sinks_in = sinks.detach().contiguous() if has_sinks else lse.new_empty(H)
-        kernel = flashattn_fwd(
-            B, H, Hkv, Sq, Sk, D, left, right, has_sinks, float(softmax_scale), dtype_name(q),
-            **cfg, num_sms=num_sms,
-        )  # fmt: skip
+        args = (B, H, Hkv, Sq, Sk, D, left, right, has_sinks, float(softmax_scale), dtype_name(q))
+
+        def build(tiles):
+            return flashattn_fwd(*args, **tiles, num_sms=num_sms)
+
+        if config is None:  # the default, or where TileLang cannot build it, the fallback
+            single = single_cta_config(D, (left, right), arch, Sk)
+            kernel = build_with_fallback(build, cfg, single, (args, num_sms))
+        else:
+            kernel = build(cfg)
         kernel(q, k, v, sinks_in, out, lse)
     return out, lse
+
+
+_REJECTED = set()  # the kernel arguments whose two-thread-block default TileLang rejected
+
+
+def build_with_fallback(build, cfg, single, key):
+    """``build(cfg)``; if TileLang 0.1.15's ThreadSync pass rejects ``cfg``'s two-thread-block
+    tiles ("Cannot lower a required shared-memory sync inside a divergent region", a few ragged
+    shapes, e.g. D=64, Sq=500, Sk=700, window (100, 0): 2 of 125 shapes of 17-1000 rows, windows
+    of 50-256 keys), ``build(single)`` instead, the one-thread-block tiles. The rejection is
+    remembered (``key``: the kernel's arguments), so it is paid once, not at every call."""
+    if cfg["ctas_per_sm"] > 1 and key not in _REJECTED:
+        try:
+            return build(cfg)
+        except Exception as error:  # tvm.error.InternalError
+            if "[ThreadSync]" not in str(error):
+                raise
+            _REJECTED.add(key)
+    return build(single if cfg["ctas_per_sm"] > 1 else cfg)
 
 
 # torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
@@ -688,7 +747,7 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
 # window travels as its two ints, as the caller gave them (normalize_window needs the lengths,
 # which may be symbolic in traced code: it runs in the operator). A config travels as its values
 # in CONFIG_KEYS order (an operator takes no dicts; None: the default), so tuned tiles compile too.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages", "ctas_per_sm")
 
 
 @torch.library.custom_op("tl_attn::gqa_sink_fwd_bhsd", mutates_args=())
@@ -840,7 +899,8 @@ def build_parser(description=None, tune=True):
 
 
 def _config_name(cfg):
-    return "{block_M}x{block_N}/{num_stages}st".format(**cfg)
+    name = "{block_M}x{block_N}/{num_stages}st".format(**cfg)
+    return name + ("/2cta" if cfg.get("ctas_per_sm", 1) > 1 else "")
 
 
 def _load_example(relpath):

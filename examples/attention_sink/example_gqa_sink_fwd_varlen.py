@@ -539,13 +539,21 @@ def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     Two Q slots against one, measured here too (H100, 2026-11-23, bf16, causal, sinks, H64/Hkv8
     D64 window 128, random lengths): 8 sequences up to 4096, 0.275 against 0.300 ms; 16 up to
     2048, 0.270 against 0.294 ms; at H32/Hkv8 D128, window 1024 0.584 against 0.588 ms and no
-    window 0.611 against 0.608 ms. Outputs bit-identical."""
-    return sink.default_config(dim, window, arch, seq_len)
+    window 0.611 against 0.608 ms. Outputs bit-identical.
+
+    One thread block an SM always (``single_cta_config``): the BHSD kernel's two thread blocks
+    for the narrowest windows are not written here."""
+    return strip_ctas(sink.single_cta_config(dim, window, arch, seq_len))
+
+
+def strip_ctas(cfg):
+    """A BHSD sink forward config without its ``ctas_per_sm`` (1 here)."""
+    return {key: cfg[key] for key in CONFIG_KEYS}
 
 
 def tune_configs(dim):
-    """The small space ``--tune`` compares: the BHSD sink forward's."""
-    return sink.tune_configs(dim)
+    """The small space ``--tune`` compares: the BHSD sink forward's one-thread-block entries."""
+    return [strip_ctas(c) for c in sink.tune_configs(dim) if c["ctas_per_sm"] == 1]
 
 
 # ----------------------------------------------------------------------------- torch-facing
@@ -617,7 +625,7 @@ def attention_forward(
 # the varlen forward's arguments and the BHSD sink forward's two (sinks: Tensor?, the window as
 # its two ints, as the caller gave them). A config travels as its values in CONFIG_KEYS order.
 # The checks that read cu_seqlens run in the real implementation, never in traced code.
-CONFIG_KEYS = sink.CONFIG_KEYS  # block_M, block_N, num_stages, q_stages
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages")
 
 
 @torch.library.custom_op("tl_attn::gqa_sink_fwd_varlen", mutates_args=())
