@@ -531,6 +531,10 @@ def flashattn_fwd(
     return flash_fwd
 
 
+# Two thread blocks an SM (``default_config``'s choice for the narrowest windows).
+TWO_CTA_TILES = dict(block_M=64, block_N=64, num_stages=2, q_stages=2, ctas_per_sm=2)
+
+
 def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     """Tile configuration for a (head dim, window as the kernel takes it — see
     ``normalize_window`` —, arch, key length ``seq_len``): for a window bounded on both sides
@@ -546,10 +550,11 @@ def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     (−0.3 … +1.7%) and lost 13-29% at D128, where they no longer fit twice. 64-row tiles with
     one thread block an SM lost 33-35% at windows 128 and 256.
     """
+    single = single_cta_config(dim, window, arch, seq_len)  # raises off Hopper
     left, right = window
-    if left >= 0 and 0 <= right and left + right <= 256 and arch.startswith("sm_90"):
-        return dict(block_M=64, block_N=64, num_stages=2, q_stages=2, ctas_per_sm=2)
-    return single_cta_config(dim, window, arch, seq_len)
+    if left >= 0 and right >= 0 and left + right <= 256:
+        return dict(TWO_CTA_TILES)
+    return single
 
 
 def single_cta_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
@@ -605,7 +610,7 @@ def tune_configs(dim):
         for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
-    ] + [dict(block_M=64, block_N=64, num_stages=2, q_stages=2, ctas_per_sm=2)]
+    ] + [dict(TWO_CTA_TILES)]
 
 
 # ----------------------------------------------------------------------------- torch-facing
@@ -713,7 +718,7 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
         def build(tiles):
             return flashattn_fwd(*args, **tiles, num_sms=num_sms)
 
-        if config is None:  # the default, or where TileLang cannot build it, the fallback
+        if config is None and cfg["ctas_per_sm"] > 1:  # one thread block where two do not build
             single = single_cta_config(D, (left, right), arch, Sk)
             kernel = build_with_fallback(build, cfg, single, (args, num_sms))
         else:
@@ -731,14 +736,14 @@ def build_with_fallback(build, cfg, single, key):
     shapes, e.g. D=64, Sq=500, Sk=700, window (100, 0): 2 of 125 shapes of 17-1000 rows, windows
     of 50-256 keys), ``build(single)`` instead, the one-thread-block tiles. The rejection is
     remembered (``key``: the kernel's arguments), so it is paid once, not at every call."""
-    if cfg["ctas_per_sm"] > 1 and key not in _REJECTED:
+    if key not in _REJECTED:
         try:
             return build(cfg)
         except Exception as error:  # tvm.error.InternalError
             if "[ThreadSync]" not in str(error):
                 raise
             _REJECTED.add(key)
-    return build(single if cfg["ctas_per_sm"] > 1 else cfg)
+    return build(single)
 
 
 # torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
