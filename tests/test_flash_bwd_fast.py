@@ -70,8 +70,15 @@ def test_generated_code_holds_the_schedule(dim, causal):
     hand-written schedule (producer/consumer registers, mbarriers, asynchronous WGMMA waited
     with a non-zero count, one named barrier a step, the TMA reduce-add of dQ)."""
     mod = load_script(FAST)
-    src = mod.compile_all(2, 4, 1000, 777, dim, causal, "bfloat16", "sm_90a")
-    assert set(src) == {"flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"}
+    # Causal, 777 queries against 1000 keys: key block 0 (every query sees key 0) reaches every
+    # query block, so the key blocks 0 and 8 (store_stride: p = 8, the key block count) store
+    # dQ in a launch of their own and the prep zeroes nothing. 1000 queries against 777 keys
+    # (7 key blocks, a stride not taken): one launch after the zeroing prep.
+    Sq, Sk = (777, 1000) if causal else (1000, 777)
+    src = mod.compile_all(2, 4, Sq, Sk, dim, causal, "bfloat16", "sm_90a")
+    names = {"flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post"}
+    assert set(src) == names | ({"flash_bwd_store"} if causal else set())
+    assert ("*(float4*)(dQ_accum" in src["flash_bwd_prep"]) != causal  # zeroing, by vectors
     bwd = src["flash_bwd"]
     assert "__launch_bounds__(384, 1)" in bwd  # two consumer warpgroups + the producer
     assert "warpgroup_reg_dealloc<24>" in bwd and "warpgroup_reg_alloc<240>" in bwd
@@ -93,6 +100,12 @@ def test_generated_code_holds_the_schedule(dim, causal):
     )
     assert "AtomicAdd" not in bwd
     assert "tma_load" in src["flash_fwd"] and "wgmma" in src["flash_fwd"]
+    if causal:  # the same schedule, storing each tile with one bulk copy instead
+        store = src["flash_bwd_store"]
+        assert "tma_store_add" not in store and "wait_wgmma<1>" in store
+        assert re.search(
+            r"tma_store\(\(&\(dQ_accum\[[^]]*\]\)\), \(&\(\(\(float\*\)dq_shared", store
+        )
 
 
 @pytest.mark.parametrize("dim,causal", [(128, False), (128, True), (64, False), (64, True)])
@@ -160,6 +173,62 @@ def test_accumulator_order(cols):
             c = 8 * g + 2 * (lane % 4)
             held = [(r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)]
             assert [index[e] for e in held] == [(g * 128 + t) * 4 + e for e in range(4)]
+
+
+WINDOWS = [(-1, -1), (128, 0), (1024, 0), (64, 64), (3, 0), (200, -1), (-1, 100)]
+
+
+@pytest.mark.parametrize("block_N", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_store_stride_partitions_the_query_blocks(block_N, causal):
+    """Where ``store_stride`` gives p, key blocks 0, p, 2p, … walk (``query_block_range``, as
+    the kernel does) query blocks that do not overlap and cover every one, so the first launch
+    stores every dQ tile exactly once; every key block walks each query block holding a query
+    that sees one of its keys (so no add lands outside a stored tile); p is the smallest
+    allowed stride that works, and with None none works."""
+    mod = load_script(FAST)
+    block_M = 128
+
+    def walks(Sq, Sk, window):
+        left, right = window
+        right = 0 if causal else right
+        edges = (left, right, Sk - Sq + right, Sk - Sq - left)
+        q_pad = mod.padded_len(Sq, block_N)
+        kbs = range(math.ceil(Sk / block_M))
+        return [
+            [int(x) for x in mod.query_block_range(kb, block_M, block_N, q_pad, edges)]
+            for kb in kbs
+        ]
+
+    def stores_once(ranges, p, n_q):
+        hit = [0] * n_q
+        for start, n in ranges[::p]:
+            for t in range(start, start + n):
+                hit[t] += 1
+        return hit == [1] * n_q
+
+    allowed = [1, *range(mod.MIN_STORE_STRIDE, mod.MAX_STORE_STRIDE + 1)]
+    taken = 0
+    for Sq in (17, 128, 255, 1000, 2048):
+        for Sk in (17, 255, 1000, 2048):
+            for window in WINDOWS:
+                ranges = walks(Sq, Sk, window)
+                n_q = math.ceil(Sq / block_N)
+                for kb, (start, n) in enumerate(ranges):
+                    left, right = window
+                    right = 0 if causal else right
+                    for i in range(Sq):
+                        lo = i + Sk - Sq - left if left >= 0 else 0
+                        hi = i + Sk - Sq + right if right >= 0 else Sk - 1
+                        if max(lo, kb * block_M) <= min(hi, Sk - 1, kb * block_M + block_M - 1):
+                            assert start <= i // block_N < start + n, (Sq, Sk, window, kb, i)
+                works = [p for p in allowed if p <= len(ranges) and stores_once(ranges, p, n_q)]
+                p = mod.store_stride(Sq, Sk, causal, window, block_M, block_N)
+                assert p == (works[0] if works else None), (Sq, Sk, window)
+                taken += p is not None
+    assert taken  # the shapes include some that take it
+    assert mod.store_stride(8192, 8192, True, (1024, 0), block_M, 64) == 9
+    assert mod.store_stride(4096, 4096, True, (128, 0), block_M, block_N) is None  # p = 2
 
 
 def test_padded_stats_length():
