@@ -98,7 +98,7 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     config: dict. Backward tile configuration (block_M, block_N, num_stages, dq_stages);
         default ``default_config``.
     Returns out: (batch, seqlen_q, nheads, headdim), differentiable
-        (``torch.autograd``): its backward runs the three backward kernels above.
+        (``torch.autograd``): its backward runs the backward kernels above.
 
 Underneath, ``attention`` calls the custom operator ``tl_attn::mha_bwd_wgmma_pipelined_forward``
 (``torch.library``), whose autograd formula calls ``tl_attn::mha_bwd_wgmma_pipelined_backward``,
@@ -1075,7 +1075,7 @@ def attention_forward(q, k, v, causal, softmax_scale):
 
 
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=None):
-    """The three backward kernels: returns ``dq, dk, dv`` in the input dtype. ``k, v`` may have
+    """The backward kernels: returns ``dq, dk, dv`` in the input dtype. ``k, v`` may have
     fewer heads than ``q`` (``[B, Sk, Hkv, D]``, H a multiple of Hkv): example_gqa_bwd.py runs
     this backward for grouped-query attention."""
     return run_backward(dout, q, k, v, out, lse, causal, softmax_scale, config)[:3]
@@ -1370,7 +1370,8 @@ def backward_kernels(
 
 
 def compile_all(batch, heads, seq_q, seq_k, dim, causal, dtype, arch, config=None):
-    """Build the four kernels for ``arch`` without a GPU; returns name → CUDA source."""
+    """Build the forward's and the backward's kernels for ``arch`` without a GPU; returns
+    name → CUDA source."""
     harness = _harness()
     scale = 1.0 / math.sqrt(dim)
     fwd_cfg = fwd.default_config(dim, causal, arch, seq_k)
