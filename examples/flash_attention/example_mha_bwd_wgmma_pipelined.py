@@ -282,12 +282,12 @@ def store_stride(seq_q, seq_kv, causal, window, block_M, block_N):
 
     Measured on an H100 (2026-11-23, bf16, the backward as graph replays, one process, against
     one launch after the zeroing prep): p = 9, window 1024, B2 H32/Hkv8 S8192 D128: 1.964
-    against 2.107 ms (+7%); p = 8 and 16, dense S1024 and S2048 at 16k tokens, D128 and D64,
-    causal or not: +1-8%. p = 2, window 128 (B1 H64/Hkv8 S4096 and S8192 D64, S8192 D128), lost
-    4-8% (0.210 against 0.195 ms at S4096): the even and the odd key blocks, which read the same
-    query blocks, no longer run together, and each launch has its own ramp and tail. Hence p = 1
-    or ``MIN_STORE_STRIDE`` … ``MAX_STORE_STRIDE``; strides between 3 and 7 were not measured,
-    and neither were strides above 16 (S >= 4096 without a window)."""
+    against 2.107 ms (+7%); p = 8 and 16, dense at 16k tokens, S1024 (D128 and D64) and S2048
+    (D128), causal or not: +1-8%. p = 2, window 128 (B1 H64/Hkv8 S4096 and S8192 D64, S8192
+    D128), lost 4-8% (0.210 against 0.195 ms at S4096): the even and the odd key blocks, which
+    read the same query blocks, no longer run together, and each launch has its own ramp and
+    tail. Hence p = 1 or ``MIN_STORE_STRIDE`` … ``MAX_STORE_STRIDE``; strides between 3 and 7
+    were not measured, and neither were strides above 16 (S >= 4096 without a window)."""
     left, right = window
     if causal:
         right = 0
