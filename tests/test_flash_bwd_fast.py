@@ -189,9 +189,7 @@ def test_store_stride_partitions_the_query_blocks(block_N, causal):
     mod = load_script(FAST)
     block_M = 128
 
-    def walks(Sq, Sk, window):
-        left, right = window
-        right = 0 if causal else right
+    def walks(Sq, Sk, left, right):
         edges = (left, right, Sk - Sq + right, Sk - Sq - left)
         q_pad = mod.padded_len(Sq, block_N)
         kbs = range(math.ceil(Sk / block_M))
@@ -212,11 +210,10 @@ def test_store_stride_partitions_the_query_blocks(block_N, causal):
     for Sq in (17, 128, 255, 1000, 2048):
         for Sk in (17, 255, 1000, 2048):
             for window in WINDOWS:
-                ranges = walks(Sq, Sk, window)
+                left, right = window[0], 0 if causal else window[1]
+                ranges = walks(Sq, Sk, left, right)
                 n_q = math.ceil(Sq / block_N)
                 for kb, (start, n) in enumerate(ranges):
-                    left, right = window
-                    right = 0 if causal else right
                     for i in range(Sq):
                         lo = i + Sk - Sq - left if left >= 0 else 0
                         hi = i + Sk - Sq + right if right >= 0 else Sk - 1

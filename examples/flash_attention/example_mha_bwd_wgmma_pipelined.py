@@ -163,6 +163,13 @@ def bulk_reduce_add(dst, src, count):
     T.call_extern("handle", "tl::tma_store_add", T.address_of(src), T.address_of(dst), count * 4)
 
 
+@T.macro
+def bulk_store(dst, src, count):
+    """dst[0:count] = src[0:count] (float32, global = shared) with one bulk asynchronous copy,
+    as ``bulk_reduce_add`` adds."""
+    T.call_extern("handle", "tl::tma_store", T.address_of(dst), T.address_of(src), count * 4)
+
+
 def dq_split(dim, block_N):
     """How the two consumer warpgroups split a step's dQᵀ tile ([dim, block_N]): dQᵀ = Kᵀ dSᵀ
     needs every key of the block, so they split its output instead — halves of the head dim
@@ -626,13 +633,7 @@ def flash_bwd(
         if tx == consumers + 32:
             at = dq_tile_index(layout, seq.tile, h, k)
             if first_store:  # the tile's only store of this launch: no zeroing needed
-                T.call_extern(
-                    "handle",
-                    "tl::tma_store",
-                    T.address_of(dQ_accum[at]),
-                    T.address_of(dq_shared[slot, 0]),
-                    dq_tile * 4,
-                )
+                bulk_store(dQ_accum[at], dq_shared[slot, 0], dq_tile)
             else:
                 bulk_reduce_add(dQ_accum[at], dq_shared[slot, 0], dq_tile)
             T.tma_store_arrive()
@@ -1358,8 +1359,7 @@ def backward_kernels(
         prep_kw.update(zero_dq=False)
         bwd_kw.update(key_stride=stride)
         kernels["flash_bwd_store"] = (flash_bwd, bwd_args, {**bwd_kw, "first_store": True})
-        n_key_blocks = (seq_k + config["block_M"] - 1) // config["block_M"]
-        if n_key_blocks > (n_key_blocks + stride - 1) // stride:  # key blocks left to add
+        if stride > 1:  # key blocks left to add (p = 1: the first launch stored from all)
             kernels["flash_bwd"] = (flash_bwd, bwd_args, bwd_kw)
     kernels["flash_bwd_post"] = (
         flash_bwd_post,
