@@ -1043,8 +1043,10 @@ def test_backward_strategies():
 )
 def test_group_backward_with_a_window_spills_nothing(D, window, S):
     """The hand-scheduled kernel with both window edges masked (BHSD, groups of 8): no spills,
-    no serialized WGMMA (ptxas), as without a window. Every launch the backward makes: at
-    window (1024, 0) key blocks 0, 9, 18, … store dQ in a launch of their own (store_stride)."""
+    no serialized WGMMA (ptxas), as without a window. These windows are bounded on both sides,
+    so the backward is one launch with ready flags (``ordered_store``): each dQ tile's lowest
+    key block stores it with a bulk copy and raises its flag (release), the others wait for the
+    flag (acquire) and then add; the prep zeroes nothing."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
@@ -1052,14 +1054,16 @@ def test_group_backward_with_a_window_spills_nothing(D, window, S):
     fast = load_script(FAST_BWD)
     cfg = fast.default_config(D)
     kernels = fast.backward_kernels(S, S, D, False, D**-0.5, "bfloat16", cfg, 8, window, "bhsd")
-    launches = [name for name in ("flash_bwd_store", "flash_bwd") if name in kernels]
-    assert launches == (["flash_bwd_store", "flash_bwd"] if window == (1024, 0) else ["flash_bwd"])
-    for name in launches:
-        factory, args, kw = kernels[name]
-        kernel = harness.compile_for(factory, "sm_90a", 1, 64, *args, **kw)
-        report = ptxas_report(kernel.get_kernel_source())
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, name
-        assert "Potential Performance Loss" not in report, name
+    assert list(kernels) == ["flash_bwd_prep", "flash_bwd_ordered", "flash_bwd_post"]
+    assert kernels["flash_bwd_prep"][2]["zero_dq"] is False
+    factory, args, kw = kernels["flash_bwd_ordered"]
+    src = harness.compile_for(factory, "sm_90a", 1, 64, *args, **kw).get_kernel_source()
+    assert "dq_store_or_add(" in src and "dq_publish(" in src
+    for ptx in ("cp.async.bulk.global.shared::cta", "ld.acquire.gpu", "st.release.gpu"):
+        assert ptx in src, ptx
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
+    assert "Potential Performance Loss" not in report
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -228,6 +228,64 @@ def test_store_stride_partitions_the_query_blocks(block_N, causal):
     assert mod.store_stride(4096, 4096, True, (128, 0), block_M, block_N) is None  # p = 2
 
 
+@pytest.mark.parametrize("block_N", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ordered_store_stores_each_tile_once_by_its_lowest_walker(block_N, causal):
+    """``first_stored_block``: the query blocks a key block stores (from that block to the end
+    of its range) are exactly those no lower key block walks, so each tile that some key block
+    walks is stored once, by the lowest one, before any other adds into it."""
+    mod = load_script(FAST)
+    block_M = 128
+    for Sq in (17, 128, 255, 1000, 2048):
+        for Sk in (17, 255, 1000, 2048):
+            for left, right in WINDOWS:
+                right = 0 if causal else right
+                edges = (left, right, Sk - Sq + right, Sk - Sq - left)
+                q_pad = mod.padded_len(Sq, block_N)
+                lowest = {}  # query block -> lowest key block walking it
+                stored = {}
+                for kb in range(math.ceil(Sk / block_M)):
+                    start, n = (
+                        int(x) for x in mod.query_block_range(kb, block_M, block_N, q_pad, edges)
+                    )
+                    for t in range(start, start + n):
+                        lowest.setdefault(t, kb)
+                    first = int(mod.first_stored_block(kb, block_M, block_N, q_pad, edges))
+                    for t in range(max(first, start), start + n):
+                        assert t not in stored, (Sq, Sk, left, right, kb, t)
+                        stored[t] = kb
+                assert stored == lowest, (Sq, Sk, left, right)
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,window,causal,ordered",
+    [
+        (4096, 4096, (128, 0), True, True),
+        (8192, 8192, (1024, 0), True, True),  # store_stride has p = 9: ordered_store wins
+        (4096, 4096, (64, 64), False, True),
+        (1000, 1000, (200, -1), False, False),  # no right edge: not measured, store_stride
+        (1000, 1000, (-1, 100), False, False),  # no left edge: all would wait for key block 0
+        (4096, 4096, (-1, -1), True, False),
+        (1000, 255, (3, 0), True, False),  # query blocks no key block walks
+    ],
+)
+def test_ordered_store_is_taken_for_windows_bounded_on_both_sides(Sq, Sk, window, causal, ordered):
+    """``backward_kernels``: one launch with ready flags (``ordered_store``) and no zeroing in
+    the prep for a window bounded on both sides whose key blocks walk every query block;
+    otherwise the zeroing prep or ``store_stride``'s launches, as before."""
+    mod = load_script(FAST)
+    cfg = mod.default_config(64)
+    kernels = mod.backward_kernels(Sq, Sk, 64, causal, 0.125, "bfloat16", cfg, 8, window, "bhsd")
+    assert ("flash_bwd_ordered" in kernels) == ordered
+    if ordered:
+        assert kernels["flash_bwd_ordered"][2]["ordered_store"] is True
+        assert not {"flash_bwd", "flash_bwd_store"} & set(kernels)
+        assert kernels["flash_bwd_prep"][2]["zero_dq"] is False
+    else:
+        stored = "flash_bwd_store" in kernels
+        assert kernels["flash_bwd_prep"][2].get("zero_dq", True) is not stored
+
+
 def test_padded_stats_length():
     mod = load_script(FAST)
     assert [mod.padded_len(s, 64) for s in (1, 63, 64, 65, 1000)] == [64, 64, 64, 128, 1024]

@@ -58,7 +58,13 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   the input dtype. Where some key blocks' query blocks tile all of them without overlap (a short
   sequence: key block 0 reaches every query block; a window: every p-th key block), the zeroing
   is not needed: those key blocks run first, in a launch of their own, and *store* their tiles;
-  the others then add (``store_stride``, ``flash_bwd``'s ``key_stride``).
+  the others then add (``store_stride``, ``flash_bwd``'s ``key_stride``). A sliding window
+  (bounded on both sides) needs neither the zeroing nor a second launch: the lowest key block
+  walking each dQ tile stores it and raises a ready flag, and the others wait for that flag
+  before they add (``flash_bwd``'s ``ordered_store``). Every key block walks its query blocks
+  last to first, so the tiles it stores (no lower key block reaches them) come before the
+  ones it adds into, and it only ever waits for lower key blocks, which the GPU starts no later
+  than itself: the wait always ends.
 
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
@@ -271,10 +277,87 @@ def query_block_range(bx, block_M, block_N, seq_q_pad, window_edges):
     return q_start, n_blocks
 
 
+# ordered_store's ready flags: raised with release semantics once a stored dQ tile is written
+# (the bulk copy runs in the async proxy, the flag in the generic one: fence between them), and
+# awaited with acquire semantics before the reduce-add that reads the tile (fence again).
+READY_FLAGS_SOURCE = r"""
+__device__ __forceinline__ void dq_store_or_add(int store, float* dst, float* src, int bytes,
+                                                int* flag) {
+  unsigned int src_shared = (unsigned int)__cvta_generic_to_shared(src);
+  if (store) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src_shared), "r"(bytes) : "memory");
+  } else {
+    int ready = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+    } while (ready == 0);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src_shared), "r"(bytes) : "memory");
+  }
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void dq_publish(int store, int* flag) {
+  if (store) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(flag), "r"(1) : "memory");
+  }
+}
+"""
+
 # The key_stride values the backward splits its key blocks by (store_stride): 1 (one launch that
 # stores every tile), or MIN_STORE_STRIDE … MAX_STORE_STRIDE.
 MIN_STORE_STRIDE = 8
 MAX_STORE_STRIDE = 16
+
+
+def walked_ranges(seq_q, seq_kv, causal, window, block_M, block_N):
+    """(first query block, count) that each key block walks (``query_block_range``), as ints."""
+    left, right = window
+    if causal:
+        right = 0
+    offset = seq_kv - seq_q
+    edges = (left, right, offset + right, offset - left)
+    seq_q_pad = padded_len(seq_q, block_N)
+    return [
+        [int(x) for x in query_block_range(kb, block_M, block_N, seq_q_pad, edges)]
+        for kb in range((seq_kv + block_M - 1) // block_M)
+    ]
+
+
+def ordered_store_pays(seq_q, seq_kv, causal, window, block_M, block_N):
+    """Whether the backward takes ``ordered_store``: a window bounded on both sides (causal
+    sets the right edge to 0) whose key blocks walk every query block. Measured on an H100
+    (2026-11-23, bf16, H64/Hkv8 D64 and H32/Hkv8 D128 at S8192, graph replays, one process):
+    1.05-1.27x the zeroed single launch at windows (128, 0), (256, 0), (512, 0) and (64, 64),
+    and 1.07x (D128) / 1.18x (D64) the two launches of ``store_stride`` (p = 9) at (1024, 0).
+    Without a left edge every key block reaches the first query blocks, whose lowest walker is
+    key block 0: all would wait for it at the same tiles, as a trial of that (first come
+    stores, the others wait; ``default_config``'s notes) measured, 20% slower. A right edge of
+    -1 alone was not measured; it keeps ``store_stride``'s forms. A one-launch stride (p = 1:
+    no tile has two walkers) stays with the plain store, which needs no flags."""
+    left, right = window
+    if causal:
+        right = 0
+    return (
+        left >= 0
+        and right >= 0
+        and every_block_walked(seq_q, seq_kv, causal, tuple(window), block_M, block_N)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def every_block_walked(seq_q, seq_kv, causal, window, block_M, block_N):
+    """Whether every query block is walked by some key block, so that ``ordered_store`` (whose
+    lowest walker stores each tile) leaves none unwritten. A query block no key block walks
+    holds only rows that see no key; the prep would have to zero it."""
+    walked = set()
+    for start, n in walked_ranges(seq_q, seq_kv, causal, window, block_M, block_N):
+        walked.update(range(start, start + n))
+    return len(walked) == padded_len(seq_q, block_N) // block_N
 
 
 @functools.lru_cache(maxsize=1024)
@@ -294,18 +377,12 @@ def store_stride(seq_q, seq_kv, causal, window, block_M, block_N):
     D128), lost 4-8% (0.210 against 0.195 ms at S4096): the even and the odd key blocks, which
     read the same query blocks, no longer run together, and each launch has its own ramp and
     tail. Hence p = 1 or ``MIN_STORE_STRIDE`` … ``MAX_STORE_STRIDE``; strides between 3 and 7
-    were not measured, and neither were strides above 16 (S >= 4096 without a window)."""
-    left, right = window
-    if causal:
-        right = 0
-    offset = seq_kv - seq_q
-    edges = (left, right, offset + right, offset - left)
+    were not measured, and neither were strides above 16 (S >= 4096 without a window). A window
+    bounded on both sides takes ``ordered_store`` instead where p > 1 (``ordered_store_pays``):
+    at window 1024 it measured faster than p = 9."""
+    ranges = walked_ranges(seq_q, seq_kv, causal, window, block_M, block_N)
+    n_key_blocks = len(ranges)
     seq_q_pad = padded_len(seq_q, block_N)
-    n_key_blocks = (seq_kv + block_M - 1) // block_M
-    ranges = [
-        [int(x) for x in query_block_range(kb, block_M, block_N, seq_q_pad, edges)]
-        for kb in range(n_key_blocks)
-    ]
     for p in [1, *range(MIN_STORE_STRIDE, min(n_key_blocks, MAX_STORE_STRIDE) + 1)]:
         covered = 0  # query blocks 0 … covered − 1 are stored once each, so far
         for start, n in ranges[::p]:
@@ -316,6 +393,15 @@ def store_stride(seq_q, seq_kv, causal, window, block_M, block_N):
             if covered == seq_q_pad // block_N:
                 return p
     return None
+
+
+def first_stored_block(bx, block_M, block_N, seq_q_pad, window_edges):
+    """``ordered_store``: the first query block that key block ``bx`` stores rather than adds
+    into. The blocks it walks below that one are walked by key block bx − 1 too (a key block's
+    range only moves up with bx), so a lower key block stores them; key block 0 stores all."""
+    q_start, _ = query_block_range(bx, block_M, block_N, seq_q_pad, window_edges)
+    prev_start, prev_n = query_block_range(bx - 1, block_M, block_N, seq_q_pad, window_edges)
+    return T.if_then_else(bx == 0, q_start, T.max(q_start, prev_start + prev_n))
 
 
 def padded_len(seq_q, block_N):
@@ -447,6 +533,7 @@ def flash_bwd(
     layout="bshd",
     key_stride=1,
     first_store=False,
+    ordered_store=False,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -483,6 +570,14 @@ def flash_bwd(
     overlap and cover every query block, and *stores* each dQᵀ tile (a bulk copy where the
     reduce-add would be); otherwise, with p > 1, it takes the remaining key blocks and adds, after
     the first launch (stream order). With p = 1 and no ``first_store``: every key block, adding.
+
+    ``ordered_store`` (dense layouts, one launch; ``ordered_store_pays`` says when): the kernel
+    takes one more argument, ``Ready``, int32 ``[B, H, query blocks]``, zeroed. Each key block
+    walks every head's query blocks last to first; it stores the tiles from
+    ``first_stored_block`` on (no lower key block walks them) and raises their flags once the
+    stores have landed, and adds into the others after their flags are up. A key block only
+    waits for lower ones, which the GPU dispatches no later (blocks start in the order of their
+    linear index), so a chain of waits ends at key block 0, which waits for nothing.
     """
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
@@ -491,8 +586,8 @@ def flash_bwd(
     if causal:
         right = 0
     heads_kv = heads // groups
-    if packed and (key_stride != 1 or first_store):
-        raise ValueError("key_stride and first_store are for the dense layouts")
+    if packed and (key_stride != 1 or first_store or ordered_store):
+        raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
     if not packed:
         offset = seq_kv - seq_q  # bottom-right causal alignment
         # Query i sees key j iff j <= i + hi (right >= 0) and j >= i + lo (left >= 0).
@@ -511,7 +606,12 @@ def flash_bwd(
         return n_blocks if groups == 1 else groups * n_blocks
 
     def step_coords(by, q_start, n_blocks, i):
-        """(query head, query block) of step ``i``: the group's heads one after the other."""
+        """(query head, query block) of step ``i``: the group's heads one after the other.
+        ``ordered_store``: each head's query blocks last to first, so that the tiles this key
+        block stores (the highest of its range) come before the ones it adds into."""
+        if ordered_store:
+            n = T.max(n_blocks, 1)
+            return by * groups + i // n, q_start + n_blocks - 1 - i % n
         if groups == 1:
             return by, q_start + i
         # No step runs when n_blocks is 0, but TVM may fold the division where it is in the
@@ -624,6 +724,32 @@ def flash_bwd(
             dq_shared[slot, wg * (dq_tile // 2) + accumulator_index(r, c)] = dq[r, c]
 
     @T.macro
+    def dq_reduce_ordered(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum, ready, s_lo):
+        # ordered_store: query blocks from s_lo on are walked by no lower key block, so this one
+        # stores them first (descending walk) and then raises their ready flags; into the lower
+        # ones it adds once the key block that stores them has raised theirs. It only waits on
+        # lower key blocks, dispatched no later than itself, so it cannot wait for one that
+        # never runs. The branch is in the device functions (READY_FLAGS_SOURCE): TileLang
+        # 0.1.15's loop unswitching rejects address_of under a condition that varies by step.
+        slot = i % dq_stages
+        T.mbarrier_wait_parity(dq_full[slot], (i // dq_stages) & 1)
+        at = dq_tile_index(layout, seq.tile, h, k)
+        store = T.Cast("int32", k >= s_lo)
+        if tx == consumers + 32:
+            T.call_extern(
+                "handle",
+                "dq_store_or_add",
+                store,
+                T.address_of(dQ_accum[at]),
+                T.address_of(dq_shared[slot, 0]),
+                dq_tile * 4,
+                T.address_of(ready[seq.tile, h, k]),
+            )
+        T.barrier_arrive(dq_empty[slot])  # the tile is read: the consumers may refill it
+        if tx == consumers + 32:
+            T.call_extern("handle", "dq_publish", store, T.address_of(ready[seq.tile, h, k]))
+
+    @T.macro
     def dq_reduce(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum):
         # Producer warp 1, step i: add the dQᵀ tile of query head h, query block k into
         # dQ_accum. Waiting until the reduce-add has read the tile, then arriving on dq_empty,
@@ -711,7 +837,7 @@ def flash_bwd(
                 dK[at] = K_shared[r0 + r, c]
 
     @T.macro
-    def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV):
+    def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
         K_shared = T.alloc_shared([block_M, dim], dtype)
         V_shared = T.alloc_shared([block_M, dim], dtype)
@@ -791,6 +917,11 @@ def flash_bwd(
                     for g in T.serial(groups):
                         for kk in T.unroll(n_blocks, annotations={"pragma_unroll_factor": 1}):
                             dq_reduce(g * n_blocks + kk, by * groups + g, q_start + kk, *reduce)
+                elif ordered_store:
+                    s_lo = first_stored_block(bx, block_M, block_N, seq.q_pad, edges)
+                    for i in T.serial(step_count(n_blocks)):
+                        h, k = step_coords(by, q_start, n_blocks, i)
+                        dq_reduce_ordered(i, h, k, *reduce, ready, s_lo)
                 else:
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
@@ -874,6 +1005,31 @@ def flash_bwd(
     n_stored = (n_key_blocks + key_stride - 1) // key_stride  # key blocks 0, p, 2p, …
     grid_x = n_stored if first_store or key_stride == 1 else n_key_blocks - n_stored
 
+    def rows(bz):
+        """The ``Rows`` of batch entry ``bz``."""
+        return Rows(q_row=bz, k_row=bz, tile=bz, q_pad=seq_q_pad, kv_len=seq_kv, hi=hi, lo=lo)
+
+    if ordered_store:  # one more argument: the ready flags, one per dQ tile, zeroed
+
+        @T.prim_func
+        def flash_bwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            dO: T.Tensor(q_shape, dtype),
+            lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+            Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+            dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
+            Ready: T.Tensor([batch, heads, seq_q_pad // block_N], "int32"),
+            dK: T.Tensor(kv_shape, dtype),
+            dV: T.Tensor(kv_shape, dtype),
+        ):
+            with T.Kernel(n_key_blocks, heads_kv, batch, threads=threads) as (bx, by, bz):
+                T.import_source(READY_FLAGS_SOURCE)
+                thread_block(bx, by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, Ready)
+
+        return flash_bwd
+
     def key_block(bx):
         """The key block of thread block ``bx`` (``key_stride``, ``first_store``)."""
         if first_store:
@@ -895,8 +1051,7 @@ def flash_bwd(
         dV: T.Tensor(kv_shape, dtype),
     ):
         with T.Kernel(grid_x, heads_kv, batch, threads=threads) as (bx, by, bz):
-            seq = Rows(q_row=bz, k_row=bz, tile=bz, q_pad=seq_q_pad, kv_len=seq_kv, hi=hi, lo=lo)
-            thread_block(key_block(bx), by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
+            thread_block(key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
 
     return flash_bwd
 
@@ -1110,8 +1265,12 @@ def run_backward(
     kernels = backward_kernels(
         Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout
     )
+    ready = None
+    if "flash_bwd_ordered" in kernels:  # ordered_store's flags, one per dQ tile
+        ready = torch.zeros(B, H, n_blocks, dtype=torch.int32, device=q.device)
     launches = {
         "flash_bwd_prep": (out, dout, lse, delta, lse2, dq_accum.view(B, H, -1)),
+        "flash_bwd_ordered": (q, k, v, dout, lse2, delta, dq_accum, ready, dk, dv),
         "flash_bwd_store": (q, k, v, dout, lse2, delta, dq_accum, dk, dv),
         "flash_bwd": (q, k, v, dout, lse2, delta, dq_accum, dk, dv),
         "flash_bwd_post": (dq_accum, dq),
@@ -1353,7 +1512,10 @@ def backward_kernels(
     if not packed:
         tiles = (config["block_M"], config["block_N"])
         stride = store_stride(seq_q, seq_k, causal, tuple(window), *tiles)
-    if stride is None:
+    if stride != 1 and not packed and ordered_store_pays(seq_q, seq_k, causal, window, *tiles):
+        prep_kw.update(zero_dq=False)  # one launch; each tile's lowest key block stores it
+        kernels["flash_bwd_ordered"] = (flash_bwd, bwd_args, {**bwd_kw, "ordered_store": True})
+    elif stride is None:
         kernels["flash_bwd_varlen" if packed else "flash_bwd"] = (flash_bwd, bwd_args, bwd_kw)
     else:  # two launches (flash_bwd's key_stride): no zeroing in the prep
         prep_kw.update(zero_dq=False)
