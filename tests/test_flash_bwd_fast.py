@@ -173,6 +173,24 @@ def test_accumulator_order(cols):
             c = 8 * g + 2 * (lane % 4)
             held = [(r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)]
             assert [index[e] for e in held] == [(g * 128 + t) * 4 + e for e in range(4)]
+    # accumulator_coords is its inverse (the postprocess reads the tile in this order)
+    assert all(mod.accumulator_coords(at) == rc for rc, at in index.items())
+
+
+@pytest.mark.parametrize("dim,block,layout", [(64, 128, "bhsd"), (128, 64, "bshd")])
+def test_postprocess_reads_in_order_and_stores_by_tma(dim, block, layout):
+    """``flash_bwd_post`` reads the float32 tile in order (consecutive threads, consecutive
+    floats), writes the converted rows into a swizzled shared tile and stores it with one TMA
+    store; the rows of a partial last block are left to the TMA store's bounds."""
+    import harness
+
+    mod = load_script(FAST)
+    args = (2, 4, 1000, mod.padded_len(1000, block), dim, 0.125, "bfloat16")
+    src = harness.compile_for(
+        mod.flash_bwd_post, "sm_90a", *args, block=block, layout=layout
+    ).get_kernel_source()
+    assert "((float*)tile)[((i_1 * 128) + ((int)threadIdx.x))]" in src
+    assert "tl::tma_store(dQ_desc" in src
 
 
 WINDOWS = [(-1, -1), (128, 0), (1024, 0), (64, 64), (3, 0), (200, -1), (-1, 100)]

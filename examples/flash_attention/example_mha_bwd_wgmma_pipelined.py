@@ -161,6 +161,13 @@ def accumulator_index(r, c):
     return ((c // 8) * 128 + thread) * 4 + (r % 16) // 8 * 2 + c % 2
 
 
+def accumulator_coords(at):
+    """(r, c) of the element at position ``at``: the inverse of ``accumulator_index``."""
+    thread, e = at // 4 % 128, at % 4
+    r = thread // 32 * 16 + thread % 32 // 4 + e // 2 * 8
+    return r, at // 512 * 8 + thread % 4 * 2 + e % 2
+
+
 @T.macro
 def bulk_reduce_add(dst, src, count):
     """dst[0:count] += src[0:count] (float32, global += shared) with one bulk asynchronous
@@ -1077,6 +1084,13 @@ def flash_bwd_post(
             return (d // dq_rows) * half + accumulator_index(d % dq_rows, i)
         return (i // dq_cols) * half + accumulator_index(d, i % dq_cols)
 
+    def tile_coords(t):
+        """(query i, head dim d) at position t of a dQᵀ tile: the inverse of ``tile_index``."""
+        r, c = accumulator_coords(t % half)
+        if dq_split_dim:
+            return c, t // half * dq_rows + r
+        return t // half * dq_cols + c, r
+
     if layout == "thd":
         total_q, batch, n_tiles = T.dynamic("total_q, batch, n_tiles")
 
@@ -1114,12 +1128,15 @@ def flash_bwd_post(
     ):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
             tile = T.alloc_shared([dim * block], accum_dtype)
-            dq_cast = T.alloc_fragment([block, dim], dtype)
+            dq_out = T.alloc_shared([block, dim], dtype)
+            # Swizzled, so that the scattered 16-bit writes below spread over the banks; the
+            # TMA store that writes the rows out undoes the swizzle.
+            T.annotate_layout({dq_out: tilelang.layout.make_swizzled_layout(dq_out)})
             T.copy(dQ_accum[bz, by, bx, :], tile)  # one contiguous block
-            for i, d in T.Parallel(block, dim):  # query i, head dim d (dQᵀ: row d, column i)
-                at = tile_index(i, d)
-                dq_cast[i, d] = tile[at] * softmax_scale
-            T.copy(dq_cast, seq_rows(dQ, layout, bz, by, bx * block, block))
+            for t in T.Parallel(dim * block):  # in tile order: a warp reads 32 floats in a row
+                i, d = tile_coords(t)  # query i, head dim d (dQᵀ: row d, column i)
+                dq_out[i, d] = tile[t] * softmax_scale
+            T.copy(dq_out, seq_rows(dQ, layout, bz, by, bx * block, block))
 
     return flash_bwd_post
 
