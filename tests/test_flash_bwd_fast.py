@@ -199,22 +199,13 @@ WINDOWS = [(-1, -1), (128, 0), (1024, 0), (64, 64), (3, 0), (200, -1), (-1, 100)
 @pytest.mark.parametrize("block_N", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_store_stride_partitions_the_query_blocks(block_N, causal):
-    """Where ``store_stride`` gives p, key blocks 0, p, 2p, … walk (``query_block_range``, as
-    the kernel does) query blocks that do not overlap and cover every one, so the first launch
-    stores every dQ tile exactly once; every key block walks each query block holding a query
-    that sees one of its keys (so no add lands outside a stored tile); p is the smallest
-    allowed stride that works, and with None none works."""
+    """Where ``store_stride`` gives p, key blocks 0, p, 2p, … walk (``walked_ranges``: the
+    kernel's ``query_block_range``) query blocks that do not overlap and cover every one, so the
+    first launch stores every dQ tile exactly once; every key block walks each query block
+    holding a query that sees one of its keys (so no add lands outside a stored tile); p is the
+    smallest allowed stride that works, and with None none works."""
     mod = load_script(FAST)
     block_M = 128
-
-    def walks(Sq, Sk, left, right):
-        edges = (left, right, Sk - Sq + right, Sk - Sq - left)
-        q_pad = mod.padded_len(Sq, block_N)
-        kbs = range(math.ceil(Sk / block_M))
-        return [
-            [int(x) for x in mod.query_block_range(kb, block_M, block_N, q_pad, edges)]
-            for kb in kbs
-        ]
 
     def stores_once(ranges, p, n_q):
         hit = [0] * n_q
@@ -229,7 +220,7 @@ def test_store_stride_partitions_the_query_blocks(block_N, causal):
         for Sk in (17, 255, 1000, 2048):
             for window in WINDOWS:
                 left, right = window[0], 0 if causal else window[1]
-                ranges = walks(Sq, Sk, left, right)
+                ranges = mod.walked_ranges(Sq, Sk, causal, window, block_M, block_N)
                 n_q = math.ceil(Sq / block_N)
                 for kb, (start, n) in enumerate(ranges):
                     for i in range(Sq):
@@ -262,10 +253,8 @@ def test_ordered_store_stores_each_tile_once_by_its_lowest_walker(block_N, causa
                 q_pad = mod.padded_len(Sq, block_N)
                 lowest = {}  # query block -> lowest key block walking it
                 stored = {}
-                for kb in range(math.ceil(Sk / block_M)):
-                    start, n = (
-                        int(x) for x in mod.query_block_range(kb, block_M, block_N, q_pad, edges)
-                    )
+                ranges = mod.walked_ranges(Sq, Sk, causal, (left, right), block_M, block_N)
+                for kb, (start, n) in enumerate(ranges):
                     for t in range(start, start + n):
                         lowest.setdefault(t, kb)
                     first = int(mod.first_stored_block(kb, block_M, block_N, q_pad, edges))

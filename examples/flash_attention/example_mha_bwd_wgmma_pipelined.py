@@ -1525,12 +1525,13 @@ def backward_kernels(
     if packed:  # one thread block a query tile, lse in the forward's layout
         prep_kw.update(block=config["block_N"])
     kernels = {"flash_bwd_prep": (flash_bwd_prep, (seq_q, seq_q_pad, dim, dtype), prep_kw)}
-    stride = None
+    stride, ordered = None, False
     if not packed:
         tiles = (config["block_M"], config["block_N"])
         stride = store_stride(seq_q, seq_k, causal, tuple(window), *tiles)
-    if stride != 1 and not packed and ordered_store_pays(seq_q, seq_k, causal, window, *tiles):
-        prep_kw.update(zero_dq=False)  # one launch; each tile's lowest key block stores it
+        ordered = stride != 1 and ordered_store_pays(seq_q, seq_k, causal, window, *tiles)
+    if ordered:  # one launch; each tile's lowest key block stores it
+        prep_kw.update(zero_dq=False)
         kernels["flash_bwd_ordered"] = (flash_bwd, bwd_args, {**bwd_kw, "ordered_store": True})
     elif stride is None:
         kernels["flash_bwd_varlen" if packed else "flash_bwd"] = (flash_bwd, bwd_args, bwd_kw)
