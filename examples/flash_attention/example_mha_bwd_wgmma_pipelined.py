@@ -345,7 +345,10 @@ def ordered_store_pays(seq_q, seq_kv, causal, window, block_M, block_N):
     key block 0: all would wait for it at the same tiles, as a trial of that (first come
     stores, the others wait; ``default_config``'s notes) measured, 20% slower. A right edge of
     -1 alone was not measured; it keeps ``store_stride``'s forms. A one-launch stride (p = 1:
-    no tile has two walkers) stays with the plain store, which needs no flags."""
+    no tile has two walkers) stays with the plain store, which needs no flags. Having each
+    tile's highest walker write dQ itself once the others' writes have landed, so that no
+    postprocess runs, lost in four forms (2026-11-23, benchmarks/results/bwd_dq_in_kernel.md):
+    0.87-0.97x at windows (128, 0) and (64, 64) with the best form, level at 512 and 1024."""
     left, right = window
     if causal:
         right = 0
