@@ -348,7 +348,8 @@ def ordered_store_pays(seq_q, seq_kv, causal, window, block_M, block_N):
     no tile has two walkers) stays with the plain store, which needs no flags. Having each
     tile's highest walker write dQ itself once the others' writes have landed, so that no
     postprocess runs, lost in four forms (2026-11-23, benchmarks/results/bwd_dq_in_kernel.md):
-    0.87-0.97x at windows (128, 0) and (64, 64) with the best form, level at 512 and 1024."""
+    0.87-0.97x at windows (128, 0) and (64, 64) with the best form, 0.86-0.93x at (1024, 0)
+    with D = 128, level at (512, 0) and (1024, 0) with D = 64."""
     left, right = window
     if causal:
         right = 0
