@@ -431,20 +431,25 @@ def test_forward_spills_nothing_and_fits(script, dim, causal):
 
 
 def test_backward_code():
-    """The packed backward (example_mha_bwd_wgmma_pipelined.py's flash_bwd, layout "thd"): a
-    thread block past its sequence's keys leaves before any load; the others put their
-    sequence's offsets and lengths in shared memory (``info``: first query row, first key row,
-    key count, Sk − Sq) and read them there. Q, K, V, dO, lse2 and Delta arrive by TMA, K/V at
+    """The packed backward (example_mha_bwd_wgmma_pipelined.py's flash_bwd, layout "thd"): the
+    grid's z index picks the sequence through ``seq_order`` (heaviest first); a thread block
+    past its sequence's keys leaves before any load; the others put their sequence's offsets
+    and lengths in shared memory (``info``: first query row, first key row, key count, Sk − Sq,
+    the sequence) and read them there. Q, K, V, dO, lse2 and Delta arrive by TMA, K/V at
     the sequence's first key row, Q/dO at its first query row, lse2 and Delta as whole rows of
     the sequence's own tiles (innermost coordinate 0, the tile ``q_offset // 64 + b + k``); dQ
     goes out by one bulk reduce-add a step, dK/dV by 16-byte row stores of the sequence's keys
     only; no atomics anywhere."""
     src = sources(GQA_BWD, 128, True, "float16")["flash_bwd_varlen"]
     first_load = src.index("tma_load(")
+    assert "int b = seq_order[((int64_t)((int)blockIdx.z))];" in src
     exit_test = re.search(r"if \(\(\(\(int\)blockIdx\.x\) \* 128\) < seq_len_k\) \{", src)
     assert exit_test and exit_test.start() < first_load
     table = src[exit_test.end() : first_load]
-    assert "info[1] = cu_seqlens_k[" in table and "__syncthreads();" in table
+    # b comes from memory, so TileLang guards the reads at b (a select around each).
+    assert "cu_seqlens_k[((int64_t)b)]" in table and "__syncthreads();" in table
+    assert re.search(r"info\[1\] = (cu_seqlens_k\[|condval)", table)
+    assert "info[4] = b;" in table
     for tensor in ("Q", "K", "V", "dO", "lse2", "Delta"):
         assert f"tl::tma_load({tensor}_desc" in src, tensor
     for tensor, row in (("K", 1), ("V", 1), ("Q", 0), ("dO", 0)):
@@ -452,7 +457,7 @@ def test_backward_code():
         assert f"+ info[{row}])" in load, load
     for tensor in ("lse2", "Delta"):
         load = re.search(rf"tl::tma_load\({tensor}_desc, [^;]*;", src).group(0)
-        assert re.search(r"\]\)\), 0, \(+info\[0\] >> 6\) \+ \(\(int\)blockIdx\.z\)\)", load)
+        assert re.search(r"\]\)\), 0, \(+info\[0\] >> 6\) \+ info\[4\]\)", load)
     assert re.search(
         r"tma_store_add\(\(&\(\(\(float\*\)dq_shared\)\[[^]]*\]\)\), \(&\(dQ_accum\[", src
     )
@@ -462,6 +467,21 @@ def test_backward_code():
     signature = src[: src.index("{")]
     for arg in ("int batch", "int max_seqlen_k", "int total_k", "int n_tiles"):
         assert arg in signature, arg
+
+
+def test_backward_sequence_order():
+    """``sequence_order`` (the order the packed backward's grid takes the sequences): heaviest
+    first by the steps their key blocks walk plus one a key block, ties in the given order. By
+    hand, 128 keys a thread block and 64 queries a step: lengths 1, 4096, 0 queries with 300
+    keys, 2000, 2000 weigh 1·2, 32·65, 3·1, 16·33, 16·33 without a mask. Causal (bottom-right),
+    64 queries over 4096 keys weigh 32 key blocks of one step each (64); 1000 over 1000, key
+    block j walks 16 − 2j query blocks: 80."""
+    fast = load_script(GQA_BWD).fast_bwd
+    cu_q, cu_k = [0, 1, 4097, 4097, 6097, 8097], [0, 1, 4097, 4397, 6397, 8397]
+    assert fast.sequence_order(cu_q, cu_k, False, 128, 64) == [1, 3, 4, 2, 0]
+    assert fast.sequence_order([0, 64, 1064], [0, 4096, 5096], True, 128, 64) == [1, 0]
+    assert fast.sequence_order([0, 64, 664], [0, 4096, 4696], True, 128, 64) == [0, 1]
+    assert fast.sequence_order([0, 0], [0, 0], True, 128, 64) == [0]
 
 
 def emulate_packed_backward(q, k, v, dout, out, lse, cu_q, cu_k, causal, scale, block_N):

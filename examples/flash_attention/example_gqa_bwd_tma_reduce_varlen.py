@@ -24,7 +24,8 @@ consumers themselves in a loop TileLang pipelines.
 
 What packed sequences change:
 
-- the grid is ``(ceil(max_seqlen_k / 128), Hkv, B)``. A thread block reads its sequence's
+- the grid is ``(ceil(max_seqlen_k / 128), Hkv, B)``, the sequences heaviest first (a long
+  sequence launched last would run on alone at the end). A thread block reads its sequence's
   offsets and lengths from ``cu_seqlens``; one whose key block lies past its sequence's keys
   leaves at once. The causal range of query blocks is the sequence's own (aligned bottom-right:
   query ``i`` sees key ``j`` when ``j <= i + seq_len_k - seq_len_q``); a sequence without
@@ -74,6 +75,7 @@ Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --compile-only  # no GPU
 """
 
+import functools
 import math
 import numbers
 import pathlib
@@ -228,12 +230,26 @@ def attention_backward(
     """example_mha_bwd_wgmma_pipelined.py's three backward kernels on the packed sequences
     (preprocess, the hand-scheduled backward, postprocess; the module docstring); returns dq,
     dk, dv in the inputs' dtype. The sibling's plain function, not an operator (one operator
-    inside another's implementation would dispatch twice, for nothing)."""
+    inside another's implementation would dispatch twice, for nothing). The grid takes the
+    sequences heaviest first (``_device_sequence_order``)."""
     max_seqlen_q, max_seqlen_k = max_seqlens
+    cfg = config or default_config(q.shape[-1], device_arch(q.device))
+    order = _device_sequence_order(
+        tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), causal,
+        cfg["block_M"], cfg["block_N"], q.device,
+    )  # fmt: skip
     return fast_bwd.run_backward_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        softmax_scale, config,
+        softmax_scale, cfg, order,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _device_sequence_order(cu_seqlens_q, cu_seqlens_k, causal, block_M, block_N, device):
+    """``fast_bwd.sequence_order`` as an int32 tensor on ``device``, kept for the next call with
+    the same lengths (a model's layers share one batch's ``cu_seqlens``)."""
+    order = fast_bwd.sequence_order(cu_seqlens_q, cu_seqlens_k, causal, block_M, block_N)
+    return torch.tensor(order, dtype=torch.int32, device=device)
 
 
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
