@@ -1192,7 +1192,12 @@ def default_config(dim, arch="sm_90a"):
     this kernel, by the thread block that adds into it last, instead of in ``flash_bwd_post``
     lost on 2026-11-23 (benchmarks/results/bwd_fused_post.md): 4-8% on the dense rows with the
     accumulator still zeroed by the prep, about 20% without zeroing (the first thread block at a
-    tile stores, the others wait for it).
+    tile stores, the others wait for it). Handing the dQ tile over in two halves, one per
+    consumer warpgroup with its own full/empty barriers, so that each half's reduce-add starts
+    as soon as that half is stored (FlashAttention-3's form), measured level (2026-11-23,
+    benchmarks/results/bwd_dq_split.md: 0.98-1.01x on twenty D64 and D128 rows, while two copies
+    of one kernel in that run differed by up to 2.6%). L2 EVICT_LAST hints on the Q and dO loads
+    and on the reduce-add lost at D128 S8192 and S16384 without a mask (up to 7%).
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
