@@ -1067,8 +1067,20 @@ def flash_bwd(
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
-        with T.Kernel(grid_x, heads_kv, batch, threads=threads) as (bx, by, bz):
-            thread_block(key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
+        # A launch of a single key block gets one more thread block, which leaves at once: with
+        # a grid of extent 1, bx would be the constant 0, and from that TileLang 0.1.15 fails to
+        # build some causal shapes with Sq > Sk ("Can't fetch the lanes of a scalable vector";
+        # e.g. D128, Sq 255, Sk 17). Under the test bx stays a variable (0 at run time).
+        with T.Kernel(max(grid_x, 2), heads_kv, batch, threads=threads) as (bx, by, bz):
+            if grid_x == 1:
+                if bx < 1:
+                    thread_block(
+                        key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
+                    )
+            else:
+                thread_block(
+                    key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
+                )
 
     return flash_bwd
 
