@@ -1,5 +1,6 @@
 """Small ragged causal forwards + backwards of the hand-scheduled kernels — MHA, GQA
-(example_gqa_bwd.py's group strategy, four query heads a kv head), attention sinks with a
+(example_gqa_bwd.py's group strategy, four query heads a kv head; each also with a single key
+block and Sq > Sk), attention sinks with a
 window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges, key blocks no query
 reaches) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen
 forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and partial blocks) — for
@@ -21,17 +22,19 @@ from helpers import load_script  # noqa: E402
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
 for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attention, 4, 1)):
-    for D in (64, 128):
+    # (255, 17): one key block, whose launch gets a second thread block that leaves at once.
+    for D, Sq, Sk in ((64, 200, 333), (128, 200, 333), (128, 255, 17)):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (
             torch.randn(1, S, heads, D, generator=g, device="cuda", dtype=torch.bfloat16)
-            for S, heads in ((200, H), (333, Hkv), (333, Hkv), (200, H))
+            for S, heads in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H))
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         out = attention(q, k, v, causal=True)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
-        print(f"{name} D{D}: finite", all(bool(torch.isfinite(t).all()) for t in (out, *grads)))
+        finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
+        print(f"{name} D{D} Sq{Sq} Sk{Sk}: finite", finite)
 
 sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
 for D in (64, 128):

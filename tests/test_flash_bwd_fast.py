@@ -118,6 +118,23 @@ def test_no_spills_and_fits_shared_memory(dim, causal):
     assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 
+@pytest.mark.parametrize(
+    "dim,seq_q,seq_k", [(128, 255, 17), (128, 300, 1), (128, 448, 17), (64, 500, 17)]
+)
+def test_single_key_block_causal_builds(dim, seq_q, seq_k):
+    """Causal, one key block, more queries than keys: shapes whose build TileLang 0.1.15 once
+    rejected ("Can't fetch the lanes of a scalable vector") while bx was the constant 0 of a grid
+    of extent 1. The launch now has a second thread block that leaves at once; the kernel
+    builds clean and its work sits under that test."""
+    import harness
+
+    mod = load_script(FAST)
+    args = (2, 8, seq_q, seq_k, dim, True, dim**-0.5, "bfloat16")
+    kernel = harness.compile_for(mod.flash_bwd, "sm_90a", *args, **mod.default_config(dim))
+    assert "if (((int)blockIdx.x) < 1) {" in kernel.get_kernel_source()
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+
+
 def test_tune_space_fits_shared_memory():
     """Every ``--tune`` configuration at D=128 builds and fits (80 queries a step leaves room
     for one dQ tile only)."""
@@ -452,11 +469,13 @@ def _gpu_cases():
             (2, 255, 1000, 4, D, True, bf16, 1),  # fewer queries than keys
             (1, 1000, 255, 4, D, True, f16, 1),  # 745 rows see no key: out 0, dq 0
             (2, 1000, 17, 4, D, True, bf16, 1),  # 983 rows see no key
+            (2, 255, 17, 4, D, True, f16, 1),  # one key block: a launch of two thread blocks
             (1, 17, 4096, 4, D, False, f16, 1),
             (2, 777, 1000, 4, D, False, bf16, 1),
             (2, 1000, 1000, 4, D, True, bf16, 10),  # large logits
             (2, 1000, 1000, 4, D, False, f16, 10),
         ]
+    cases.append((1, 500, 17, 4, 64, True, bf16, 1))  # the same at D = 64 (128 queries a step)
     return cases
 
 

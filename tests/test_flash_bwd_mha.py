@@ -181,6 +181,16 @@ def test_short_query_config_builds_for_sm90(script):
     assert "wgmma" in src["flashattn_bwd"]
 
 
+@pytest.mark.parametrize("script", PLAIN)
+def test_single_key_block_causal_builds_for_sm90(script):
+    """Causal, one key block, Sq > Sk (D=128, Sq 255, Sk 17): ptxas once ran out of registers
+    here while bx was the constant 0 of a grid of extent 1. The grid now has a second thread
+    block, which leaves at once (its keys start past Sk)."""
+    mod = load_script(script)
+    src = mod.compile_all(2, 4, 255, 17, 128, True, "bfloat16", "sm_90a")["flashattn_bwd"]
+    assert "if (((int)blockIdx.x) < 1) {" in src
+
+
 @pytest.mark.parametrize("script", [BSHD])
 def test_tune_space_builds_for_sm90(script):
     """Every configuration ``--tune`` compares builds at D=128 (the tighter head dim)."""
@@ -253,6 +263,7 @@ def _gpu_cases():
         (BSHD, 2, 255, 1000, 4, 128, True, f16, 1),  # fewer queries than keys
         (BSHD, 1, 1000, 255, 4, 64, True, bf16, 1),  # 745 rows see no key: out 0, dq 0
         (BSHD, 2, 1000, 17, 4, 128, True, bf16, 1),  # 983 rows see no key
+        (BSHD, 2, 255, 17, 4, 128, True, f16, 1),  # one key block: a grid of two thread blocks
         (BSHD, 1, 17, 4096, 4, 128, False, bf16, 1),
         (BSHD, 2, 1000, 1000, 4, 128, True, bf16, 10),  # large logits
         (BSHD, 2, 1000, 1000, 4, 64, False, f16, 10),
@@ -267,6 +278,7 @@ def _gpu_cases():
     cases += [
         (BHSD, 2, 255, 1000, 4, 64, True, bf16, 1),
         (BHSD, 1, 1000, 255, 4, 128, True, f16, 1),
+        (BHSD, 2, 255, 17, 4, 128, True, bf16, 1),
     ]
     return cases
 

@@ -370,53 +370,62 @@ def flashattn_bwd(
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_kv, block_M), heads, batch, threads=threads) as (bx, by, bz):
-            K_shared = T.alloc_shared([block_M, dim], dtype)
-            V_shared = T.alloc_shared([block_M, dim], dtype)
-            Q_shared = T.alloc_shared([block_N, dim], dtype)
-            dO_shared = T.alloc_shared([block_N, dim], dtype)
-            lse_shared = T.alloc_shared([block_N], accum_dtype)
-            delta_shared = T.alloc_shared([block_N], accum_dtype)
-            ds_shared = T.alloc_shared([block_M, block_N], dtype)
-            dK_shared = T.alloc_shared([block_M, dim], dtype)
-            dV_shared = T.alloc_shared([block_M, dim], dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
-            ds_cast = T.alloc_fragment([block_M, block_N], dtype)
-            dk = T.alloc_fragment([block_M, dim], accum_dtype)
-            dv = T.alloc_fragment([block_M, dim], accum_dtype)
-            dq = T.alloc_fragment([block_N, dim], accum_dtype)
+        # At least two thread blocks, those past the keys leaving at once: with a grid of extent
+        # 1, bx would be the constant 0, and from that TileLang 0.1.15 fails to build some causal
+        # shapes with Sq > Sk (ptxas runs out of registers at D128, Sq 255, Sk 17). With more key
+        # blocks the test always holds and the compiler drops it.
+        with T.Kernel(max(T.ceildiv(seq_kv, block_M), 2), heads, batch, threads=threads) as (
+            bx,
+            by,
+            bz,
+        ):
+            if bx * block_M < seq_kv:
+                K_shared = T.alloc_shared([block_M, dim], dtype)
+                V_shared = T.alloc_shared([block_M, dim], dtype)
+                Q_shared = T.alloc_shared([block_N, dim], dtype)
+                dO_shared = T.alloc_shared([block_N, dim], dtype)
+                lse_shared = T.alloc_shared([block_N], accum_dtype)
+                delta_shared = T.alloc_shared([block_N], accum_dtype)
+                ds_shared = T.alloc_shared([block_M, block_N], dtype)
+                dK_shared = T.alloc_shared([block_M, dim], dtype)
+                dV_shared = T.alloc_shared([block_M, dim], dtype)
+                acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
+                acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+                acc_dp = T.alloc_fragment([block_M, block_N], accum_dtype)
+                ds_cast = T.alloc_fragment([block_M, block_N], dtype)
+                dk = T.alloc_fragment([block_M, dim], accum_dtype)
+                dv = T.alloc_fragment([block_M, dim], accum_dtype)
+                dq = T.alloc_fragment([block_N, dim], accum_dtype)
 
-            # Keys past Sk read as zeros and are never stored.
-            T.copy(K[bz, bx * block_M : (bx + 1) * block_M, by, :], K_shared)
-            T.copy(V[bz, bx * block_M : (bx + 1) * block_M, by, :], V_shared)
-            T.clear(dk)
-            T.clear(dv)
+                # Keys past Sk read as zeros and are never stored.
+                T.copy(K[bz, bx * block_M : (bx + 1) * block_M, by, :], K_shared)
+                T.copy(V[bz, bx * block_M : (bx + 1) * block_M, by, :], V_shared)
+                T.clear(dk)
+                T.clear(dv)
 
-            # Causal: query i sees key j iff i >= j - offset, so the first query block that sees
-            # any key of this block is the one holding query bx·block_M − offset. (It is never
-            # past the end: the last query sees every key.)
-            q_start = 0
-            if causal:
-                q_start = T.max(0, bx * block_M - offset) // block_N
-            q_end = T.ceildiv(seq_q, block_N)
-            key_tail = (bx + 1) * block_M > seq_kv
+                # Causal: query i sees key j iff i >= j - offset, so the first query block that sees
+                # any key of this block is the one holding query bx·block_M − offset. (It is never
+                # past the end: the last query sees every key.)
+                q_start = 0
+                if causal:
+                    q_start = T.max(0, bx * block_M - offset) // block_N
+                q_end = T.ceildiv(seq_q, block_N)
+                key_tail = (bx + 1) * block_M > seq_kv
 
-            for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
-                T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
-                T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
-                scores(K_shared, Q_shared, acc_s)
-                probabilities(k, bx, key_tail, lse_shared, acc_s)
-                T.copy(dO[bz, k * block_N : (k + 1) * block_N, by, :], dO_shared)
-                T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
-                dp(V_shared, dO_shared, acc_dp)
-                dv_update(acc_s, acc_s_cast, dO_shared, dv)
-                ds(acc_s, acc_dp, delta_shared, ds_cast)
-                dk_update(ds_cast, Q_shared, dk)
-                dq_accumulate(k, by, bz, ds_cast, ds_shared, K_shared, dq, dQ_accum)
+                for k in T.Pipelined(q_start, q_end, num_stages=num_stages):
+                    T.copy(Q[bz, k * block_N : (k + 1) * block_N, by, :], Q_shared)
+                    T.copy(lse[bz, by, k * block_N : (k + 1) * block_N], lse_shared)
+                    scores(K_shared, Q_shared, acc_s)
+                    probabilities(k, bx, key_tail, lse_shared, acc_s)
+                    T.copy(dO[bz, k * block_N : (k + 1) * block_N, by, :], dO_shared)
+                    T.copy(Delta[bz, by, k * block_N : (k + 1) * block_N], delta_shared)
+                    dp(V_shared, dO_shared, acc_dp)
+                    dv_update(acc_s, acc_s_cast, dO_shared, dv)
+                    ds(acc_s, acc_dp, delta_shared, ds_cast)
+                    dk_update(ds_cast, Q_shared, dk)
+                    dq_accumulate(k, by, bz, ds_cast, ds_shared, K_shared, dq, dQ_accum)
 
-            epilogue(dv, dk, dV_shared, dK_shared, dV, dK, bx, by, bz)
+                epilogue(dv, dk, dV_shared, dK_shared, dV, dK, bx, by, bz)
 
     return flash_bwd
 

@@ -600,6 +600,10 @@ def flash_bwd(
     if causal:
         right = 0
     heads_kv = heads // groups
+    # Windows bounded on the left leave a warpgroup idle on some steps (``idle_step``). With
+    # D = 64 the second path makes ptxas spill at ragged shapes (44-180 bytes at Sq 1000,
+    # Sk 1300), so there every step runs in full, as without a window.
+    skip_idle = left >= 0 and dim >= 128
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
     if not packed:
@@ -781,14 +785,74 @@ def flash_bwd(
         T.barrier_arrive(dq_empty[slot])
 
     @T.macro
-    def consumer_warpgroup(
-        wg, bx, by, seq, q_start, n_blocks,
-        K_shared, V_shared, Q_shared, dO_shared, lse_shared, delta_shared, ds_shared, dq_shared,
-        kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty,
-        dK, dV,
-    ):  # fmt: skip
+    def step(wg, i, k, bx, seq, shared, barriers, frags):
+        # One step of consumer warpgroup wg: query block k (of its head) against its 64 keys.
+        K_shared, V_shared, Q_shared, dO_shared, lse_shared, delta_shared, ds_shared, dq_shared = (
+            shared
+        )
+        q_full, do_full, q_empty, do_empty, dq_full, dq_empty = barriers[1:]
+        acc_s, acc_dp, acc_s_cast, ds_cast, dk, dv, dq = frags
+        r0 = wg * wg_keys
+        stage = i % num_stages
+        phase = (i // num_stages) & 1
+        ds_buf = i % 2  # dSᵀ is double-buffered in shared memory (module docstring)
+        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued back to back, each once its tile has landed.
+        T.mbarrier_wait_parity(q_full[stage], phase)
+        scores(r0, stage, K_shared, Q_shared, acc_s)
+        T.mbarrier_wait_parity(do_full[stage], phase)
+        dp(r0, stage, V_shared, dO_shared, acc_dp)
+        T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still run
+        probabilities(wg, k, bx, stage, acc_s, lse_shared, seq)
+        T.wait_wgmma(0)  # dPᵀ is ready
+        ds(r0, stage, ds_buf, acc_s, acc_dp, delta_shared, acc_s_cast, ds_cast, ds_shared)
+        dv_update(stage, acc_s_cast, dO_shared, dv)
+        # dSᵀ was written by ordinary stores and is read by WGMMA (the async proxy): fence,
+        # then wait for the other warpgroup's half.
+        T.fence_proxy_async()
+        T.sync_threads(DS_READY, consumers)
+        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+        T.wait_wgmma(1)  # dV is done: dO is free
+        T.barrier_arrive(do_empty[stage])
+        dk_update(stage, ds_cast, Q_shared, dk)
+        T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
+        slot = i % dq_stages
+        T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
+        dq_store(wg, slot, dq, dq_shared)
+        T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
+        T.barrier_arrive(dq_full[slot])
+        T.wait_wgmma(0)  # dK is done: Q is free
+        T.barrier_arrive(q_empty[stage])
+
+    @T.macro
+    def idle_step(wg, i, shared, barriers, dq):
+        # A step whose queries see none of this warpgroup's keys (a window's edge): its part of
+        # dSᵀ is 0, so it zeroes that part, skips its four other GEMMs (half the tensor-core
+        # work of the step is left to the other warpgroup) and computes only its share of dQᵀ,
+        # which the other warpgroup's keys feed. It needs no Q or dO, and frees them at once.
+        K_shared, ds_shared, dq_shared = shared[0], shared[6], shared[7]
+        q_empty, do_empty, dq_full, dq_empty = barriers[3:]
+        r0 = wg * wg_keys
+        ds_buf = i % 2
+        T.barrier_arrive(do_empty[i % num_stages])
+        T.barrier_arrive(q_empty[i % num_stages])
+        for r, c in T.Parallel(wg_keys, block_N):
+            ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
+        T.fence_proxy_async()
+        T.sync_threads(DS_READY, consumers)
+        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+        T.wait_wgmma(0)
+        slot = i % dq_stages
+        T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
+        dq_store(wg, slot, dq, dq_shared)
+        T.fence_proxy_async()
+        T.barrier_arrive(dq_full[slot])
+
+    @T.macro
+    def consumer_warpgroup(wg, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV):
         # Consumer warpgroup wg: keys wg·64 … wg·64+63 of the block. Each warpgroup is its own
         # code path, so every shared-memory offset in its WGMMA descriptors is a constant.
+        # ``shared`` and ``barriers``: thread_block's buffers and mbarriers, in its order.
+        K_shared, V_shared, kv_full = shared[0], shared[1], barriers[0]
         r0 = wg * wg_keys  # first row of K, V and dSᵀ (in the block) this warpgroup owns
         acc_s = T.alloc_fragment([wg_keys, block_N], accum_dtype)
         acc_dp = T.alloc_fragment([wg_keys, block_N], accum_dtype)
@@ -800,37 +864,22 @@ def flash_bwd(
         T.clear(dk)
         T.clear(dv)
         T.mbarrier_wait_parity(kv_full, 0)
+        frags = (acc_s, acc_dp, acc_s_cast, ds_cast, dk, dv, dq)
         for i in T.serial(step_count(n_blocks)):
             _, k = step_coords(by, q_start, n_blocks, i)
-            stage = i % num_stages
-            phase = (i // num_stages) & 1
-            ds_buf = i % 2  # dSᵀ is double-buffered in shared memory (module docstring)
-            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued back to back, each once its tile has landed.
-            T.mbarrier_wait_parity(q_full[stage], phase)
-            scores(r0, stage, K_shared, Q_shared, acc_s)
-            T.mbarrier_wait_parity(do_full[stage], phase)
-            dp(r0, stage, V_shared, dO_shared, acc_dp)
-            T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still run
-            probabilities(wg, k, bx, stage, acc_s, lse_shared, seq)
-            T.wait_wgmma(0)  # dPᵀ is ready
-            ds(r0, stage, ds_buf, acc_s, acc_dp, delta_shared, acc_s_cast, ds_cast, ds_shared)
-            dv_update(stage, acc_s_cast, dO_shared, dv)
-            # dSᵀ was written by ordinary stores and is read by WGMMA (the async proxy): fence,
-            # then wait for the other warpgroup's half.
-            T.fence_proxy_async()
-            T.sync_threads(DS_READY, consumers)
-            dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-            T.wait_wgmma(1)  # dV is done: dO is free
-            T.barrier_arrive(do_empty[stage])
-            dk_update(stage, ds_cast, Q_shared, dk)
-            T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
-            slot = i % dq_stages
-            T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-            dq_store(wg, slot, dq, dq_shared)
-            T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
-            T.barrier_arrive(dq_full[slot])
-            T.wait_wgmma(0)  # dK is done: Q is free
-            T.barrier_arrive(q_empty[stage])
+            if skip_idle:
+                # At a window's edges a step's queries may see none of this warpgroup's keys
+                # (query_block_range's edges, per warpgroup), or its keys may lie past Sk.
+                first_key = bx * block_M + wg * wg_keys
+                seen = first_key < seq.kv_len and first_key + wg_keys - 1 >= k * block_N + seq.lo
+                if right >= 0:
+                    seen = seen and first_key <= k * block_N + block_N - 1 + seq.hi
+                if seen:
+                    step(wg, i, k, bx, seq, shared, barriers, frags)
+                else:
+                    idle_step(wg, i, shared, barriers, dq)
+            else:
+                step(wg, i, k, bx, seq, shared, barriers, frags)
         for r, c in T.Parallel(wg_keys, dim):
             dk[r, c] = dk[r, c] * softmax_scale
         # Epilogue through shared memory: from registers each thread holds pairs of 16-bit
@@ -955,9 +1004,9 @@ def flash_bwd(
             )
             barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
             if tx < 128:
-                consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, *shared, *barriers, dK, dV)
+                consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
             else:
-                consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, *shared, *barriers, dK, dV)
+                consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
 
     if packed:
         total_q, total_k, batch, n_tiles = T.dynamic("total_q, total_k, batch, n_tiles")
@@ -1067,8 +1116,20 @@ def flash_bwd(
         dK: T.Tensor(kv_shape, dtype),
         dV: T.Tensor(kv_shape, dtype),
     ):
-        with T.Kernel(grid_x, heads_kv, batch, threads=threads) as (bx, by, bz):
-            thread_block(key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
+        # A launch of a single key block gets one more thread block, which leaves at once: with
+        # a grid of extent 1, bx would be the constant 0, and from that TileLang 0.1.15 fails to
+        # build some causal shapes with Sq > Sk ("Can't fetch the lanes of a scalable vector";
+        # e.g. D128, Sq 255, Sk 17). Under the test bx stays a variable (0 at run time).
+        with T.Kernel(max(grid_x, 2), heads_kv, batch, threads=threads) as (bx, by, bz):
+            if grid_x == 1:
+                if bx < 1:
+                    thread_block(
+                        key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
+                    )
+            else:
+                thread_block(
+                    key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
+                )
 
     return flash_bwd
 
