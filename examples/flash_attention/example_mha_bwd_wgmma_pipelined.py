@@ -1242,6 +1242,9 @@ def default_config(dim, arch="sm_90a"):
     (2026-11-23; B4 H32 S4096 D128: 424-438 against 456 TFLOP/s with chunks of 4-8, 243 with
     1): thread blocks of one head running side by side share its Q, dO and dQ tiles in L2, and
     this grid's order (every key block of a head, then the next head) keeps them together.
+    FlashAttention-3's causal order, sections of as many heads as fit in L2 with key block 0 of
+    each, then key block 1 of each, …, measured level on 2026-11-24 (MHA 0.99-1.01x with its
+    section sizes; GQA 0.97-1.05x, no size winning on every row; bwd_l2_sections.md).
     For causal GQA, where a thread block walks every head of its group and the first key blocks
     run longest, one thread block taking two key blocks (bx and the last − bx, so that all walk
     the same number of steps) lost 0.5-7% on ten H32/Hkv8 and H64/Hkv8 rows (2026-11-23; S4096
