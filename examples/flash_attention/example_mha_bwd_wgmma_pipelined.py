@@ -1245,6 +1245,9 @@ def default_config(dim, arch="sm_90a"):
     FlashAttention-3's causal order, sections of as many heads as fit in L2 with key block 0 of
     each, then key block 1 of each, …, measured level on 2026-11-24 (MHA 0.99-1.01x with its
     section sizes; GQA 0.97-1.05x, no size winning on every row; bwd_l2_sections.md).
+    Clusters of two key blocks sharing each Q and dO tile by TMA multicast (non-causal) measured
+    level on 2026-11-24 (0.985-1.011x against a second timing of this kernel;
+    bwd_multicast.md).
     For causal GQA, where a thread block walks every head of its group and the first key blocks
     run longest, one thread block taking two key blocks (bx and the last − bx, so that all walk
     the same number of steps) lost 0.5-7% on ten H32/Hkv8 and H64/Hkv8 rows (2026-11-23; S4096
