@@ -64,7 +64,9 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   before they add (``flash_bwd``'s ``ordered_store``). Every key block walks its query blocks
   last to first, so the tiles it stores (no lower key block reaches them) come before the
   ones it adds into, and it only ever waits for lower key blocks, which the GPU starts no later
-  than itself: the wait always ends.
+  than itself: the wait always ends. At a window's edges a step's queries may see none of one
+  consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
+  and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
 
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
