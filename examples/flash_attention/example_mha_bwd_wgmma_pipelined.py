@@ -1121,14 +1121,10 @@ def flash_bwd(
         # A launch of a single key block gets one more thread block, which leaves at once: with
         # a grid of extent 1, bx would be the constant 0, and from that TileLang 0.1.15 fails to
         # build some causal shapes with Sq > Sk ("Can't fetch the lanes of a scalable vector";
-        # e.g. D128, Sq 255, Sk 17). Under the test bx stays a variable (0 at run time).
+        # e.g. D128, Sq 255, Sk 17). Under the test bx stays a variable (0 at run time); with
+        # more key blocks the test always holds and the compiler drops it.
         with T.Kernel(max(grid_x, 2), heads_kv, batch, threads=threads) as (bx, by, bz):
-            if grid_x == 1:
-                if bx < 1:
-                    thread_block(
-                        key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
-                    )
-            else:
+            if bx < grid_x:
                 thread_block(
                     key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
                 )
