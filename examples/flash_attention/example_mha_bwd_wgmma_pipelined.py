@@ -549,6 +549,7 @@ def flash_bwd(
     key_stride=1,
     first_store=False,
     ordered_store=False,
+    ctas_per_sm=1,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -618,6 +619,17 @@ def flash_bwd(
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
+    # One consumer warpgroup (block_M = 64) computes both parts of the dQᵀ tile itself, so the
+    # tile's order (and the postprocess) stays that of two.
+    def dq_parts(wg):
+        return (0, 1) if consumers == 128 else (wg,)
+
+    def alloc_dq():
+        return tuple(T.alloc_fragment([dq_rows, dq_cols], "float32") for _ in dq_parts(0))
+    # Registers a thread after set_max_nreg, within this thread block's share of the file.
+    consumer_regs = min(
+        CONSUMER_REGS, (65536 // ctas_per_sm - 128 * PRODUCER_REGS) // consumers // 8 * 8
+    )
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
@@ -812,14 +824,17 @@ def flash_bwd(
         # then wait for the other warpgroup's half.
         T.fence_proxy_async()
         T.sync_threads(DS_READY, consumers)
-        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-        T.wait_wgmma(1)  # dV is done: dO is free
+        parts = dq_parts(wg)
+        for n, part in enumerate(parts):
+            dq_gemm(part, ds_buf, K_shared, ds_shared, dq[n])
+        T.wait_wgmma(len(parts))  # dV is done: dO is free
         T.barrier_arrive(do_empty[stage])
         dk_update(stage, ds_cast, Q_shared, dk)
         T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
         slot = i % dq_stages
         T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        dq_store(wg, slot, dq, dq_shared)
+        for n, part in enumerate(parts):
+            dq_store(part, slot, dq[n], dq_shared)
         T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
         T.barrier_arrive(dq_full[slot])
         T.wait_wgmma(0)  # dK is done: Q is free
@@ -841,11 +856,14 @@ def flash_bwd(
             ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
         T.fence_proxy_async()
         T.sync_threads(DS_READY, consumers)
-        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+        parts = dq_parts(wg)
+        for n, part in enumerate(parts):
+            dq_gemm(part, ds_buf, K_shared, ds_shared, dq[n])
         T.wait_wgmma(0)
         slot = i % dq_stages
         T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        dq_store(wg, slot, dq, dq_shared)
+        for n, part in enumerate(parts):
+            dq_store(part, slot, dq[n], dq_shared)
         T.fence_proxy_async()
         T.barrier_arrive(dq_full[slot])
 
@@ -862,7 +880,7 @@ def flash_bwd(
         ds_cast = T.alloc_fragment([wg_keys, block_N], dtype)
         dk = T.alloc_fragment([wg_keys, dim], accum_dtype)
         dv = T.alloc_fragment([wg_keys, dim], accum_dtype)
-        dq = T.alloc_fragment([dq_rows, dq_cols], accum_dtype)
+        dq = alloc_dq()
         T.clear(dk)
         T.clear(dv)
         T.mbarrier_wait_parity(kv_full, 0)
@@ -904,6 +922,8 @@ def flash_bwd(
     @T.macro
     def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
+        if ctas_per_sm > 1:
+            T.annotate_min_blocks_per_sm(ctas_per_sm)
         K_shared = T.alloc_shared([block_M, dim], dtype)
         V_shared = T.alloc_shared([block_M, dim], dtype)
         Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -993,7 +1013,7 @@ def flash_bwd(
                         dq_reduce(i, h, k, *reduce)
         else:
             # ----------------------------------------------------------- consumer warpgroups
-            T.set_max_nreg(CONSUMER_REGS, 1)
+            T.set_max_nreg(consumer_regs, 1)
             shared = (
                 K_shared,
                 V_shared,
@@ -1005,7 +1025,7 @@ def flash_bwd(
                 dq_shared,
             )
             barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
-            if tx < 128:
+            if consumers == 128 or tx < 128:
                 consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
             else:
                 consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
