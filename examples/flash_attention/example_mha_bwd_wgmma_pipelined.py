@@ -147,7 +147,8 @@ HEAD_DIMS = (64, 128)
 # Registers a thread after set_max_nreg. It only moves registers between the warpgroups inside
 # the thread block's launch allocation (168 a thread for 384 threads), so the consumers' rise
 # must be paid for by the producer's drop: 128·24 + 256·240 = 384·168. Ask for more and the
-# consumers wait for registers that never come.
+# consumers wait for registers that never come. (With one consumer warpgroup, block_M = 64, the
+# launch allocation is 240 a thread for 256 threads.)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # Named barriers (ids below 8 are left to TileLang's own passes): the two consumer warpgroups
@@ -549,7 +550,6 @@ def flash_bwd(
     key_stride=1,
     first_store=False,
     ordered_store=False,
-    ctas_per_sm=1,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -609,6 +609,10 @@ def flash_bwd(
     skip_idle = left >= 0 and dim >= 128
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
+    if block_M not in (64, 128) or (block_M == 64 and dim > 64):
+        # One warpgroup holding dK, dV and both dQᵀ parts of a D = 128 step runs out of
+        # registers: ptxas serializes its WGMMAs.
+        raise ValueError(f"block_M must be 128, or 64 at D = 64; got {block_M} at D = {dim}")
     if not packed:
         offset = seq_kv - seq_q  # bottom-right causal alignment
         # Query i sees key j iff j <= i + hi (right >= 0) and j >= i + lo (left >= 0).
@@ -619,17 +623,14 @@ def flash_bwd(
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
-    # One consumer warpgroup (block_M = 64) computes both parts of the dQᵀ tile itself, so the
-    # tile's order (and the postprocess) stays that of two.
+    # One consumer warpgroup (block_M = 64, D = 64) computes both parts of the dQᵀ tile itself,
+    # so the tile's order (and the postprocess) stays that of two.
+
     def dq_parts(wg):
         return (0, 1) if consumers == 128 else (wg,)
 
     def alloc_dq():
         return tuple(T.alloc_fragment([dq_rows, dq_cols], "float32") for _ in dq_parts(0))
-    # Registers a thread after set_max_nreg, within this thread block's share of the file.
-    consumer_regs = min(
-        CONSUMER_REGS, (65536 // ctas_per_sm - 128 * PRODUCER_REGS) // consumers // 8 * 8
-    )
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
@@ -922,8 +923,6 @@ def flash_bwd(
     @T.macro
     def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
-        if ctas_per_sm > 1:
-            T.annotate_min_blocks_per_sm(ctas_per_sm)
         K_shared = T.alloc_shared([block_M, dim], dtype)
         V_shared = T.alloc_shared([block_M, dim], dtype)
         Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -1013,7 +1012,7 @@ def flash_bwd(
                         dq_reduce(i, h, k, *reduce)
         else:
             # ----------------------------------------------------------- consumer warpgroups
-            T.set_max_nreg(consumer_regs, 1)
+            T.set_max_nreg(CONSUMER_REGS, 1)
             shared = (
                 K_shared,
                 V_shared,
@@ -1231,10 +1230,13 @@ def flash_bwd_post(
 
 
 # ----------------------------------------------------------------------------- configurations
-def default_config(dim, arch="sm_90a"):
-    """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64),
-    ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles in
-    shared memory.
+def default_config(dim, arch="sm_90a", grid=None):
+    """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64, or one
+    for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
+    in shared memory.
+
+    ``grid = (batch, heads_kv, groups, seq_k, num_sms)``, where the caller knows the shape: a
+    grid too small to fill the GPU takes 64 keys a thread block (``small_grid``).
 
     Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
     process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
@@ -1289,7 +1291,22 @@ def default_config(dim, arch="sm_90a"):
             f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg); "
             "for Blackwell see examples/flash_attention_sm100/"
         )
-    return dict(block_M=128, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
+    block_M = 64 if grid is not None and small_grid(dim, *grid) else 128
+    return dict(block_M=block_M, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
+
+
+def small_grid(dim, batch, heads_kv, groups, seq_k, num_sms):
+    """Whether the backward takes 64 keys a thread block instead of 128 (one consumer
+    warpgroup): at D = 64 when the grid of 128-key blocks is at most two per SM. There a thread
+    block's walk is long against the number of blocks (causal key block 0 walks every query
+    block, of every head of its group), and with twice the blocks, each step half as long, the
+    longest walk ends sooner. Measured on an H100 (2026-11-24, bf16, graph replays, one
+    process): 1.34× at B1 H8 S1024 (64 blocks), 2.3-2.9× for GQA at B1-2 S2048 with 64 blocks,
+    1.64× at H16/Hkv2 S4096 causal, 1.91× at H64/Hkv8 S2048 causal (128 blocks), 1.07× at
+    H32/Hkv8 S4096 causal (256); 0.83-0.92× at 1024 blocks and more, where every SM is busy
+    anyway. D = 128 keeps 128 keys (one warpgroup there runs out of registers)."""
+    blocks = (seq_k + 127) // 128 * heads_kv * batch
+    return dim == 64 and blocks <= 2 * num_sms
 
 
 def tune_configs(dim):
@@ -1369,7 +1386,9 @@ def run_backward(
         delta = torch.zeros(B, H, Sq, dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
     dtype = dtype_name(q)
-    cfg = config or default_config(D, fwd.device_arch(q.device))
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (B, Hkv, H // Hkv, Sk, num_sms)
+    cfg = config or default_config(D, fwd.device_arch(q.device), grid)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
