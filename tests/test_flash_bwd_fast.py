@@ -155,12 +155,13 @@ def test_block_M_outside_the_built_forms_raises(dim, block_M):
 
 @pytest.mark.parametrize(
     "grid,block_M",
-    [
-        ((1, 4, 8, 2048, 132), 64),  # 64 thread blocks of 128 keys
-        ((1, 8, 1, 1024, 132), 64),  # multi-head too
-        ((1, 8, 8, 4096, 132), 64),  # 256: two an SM
-        ((2, 8, 8, 4096, 132), 128),  # 512: the GPU is full
-        ((1, 8, 8, 4096, 100), 128),  # 256 on fewer SMs
+    [  # (batch, kv heads, Sk, window bounded on the left, SMs)
+        ((1, 4, 2048, False, 132), 64),  # 64 thread blocks of 128 keys
+        ((1, 8, 4096, False, 132), 64),  # 256: two an SM
+        ((2, 8, 4096, False, 132), 128),  # 512: the GPU is full
+        ((1, 8, 4096, False, 100), 128),  # 256 on fewer SMs
+        ((1, 2, 4096, True, 132), 64),  # a window, 64 blocks: SMs left idle
+        ((1, 8, 2048, True, 132), 128),  # a window, 128 blocks
     ],
 )
 def test_small_grid_takes_64_keys_a_thread_block(grid, block_M):

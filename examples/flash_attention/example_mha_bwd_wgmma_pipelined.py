@@ -68,6 +68,12 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
   and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
 
+A grid too small to fill the GPU (few kv heads and short sequences: a long walk per thread
+block on few SMs) takes 64 keys a thread block at D = 64 (``small_grid``): one consumer
+warpgroup (256 threads) that issues both parts of the dQᵀ tile itself, so the tile and the
+postprocess keep the order of two. Twice the thread blocks, each step half as long, end the
+longest walk sooner.
+
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
@@ -631,6 +637,7 @@ def flash_bwd(
 
     def alloc_dq():
         return tuple(T.alloc_fragment([dq_rows, dq_cols], "float32") for _ in dq_parts(0))
+
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
@@ -1235,8 +1242,8 @@ def default_config(dim, arch="sm_90a", grid=None):
     for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
     in shared memory.
 
-    ``grid = (batch, heads_kv, groups, seq_k, num_sms)``, where the caller knows the shape: a
-    grid too small to fill the GPU takes 64 keys a thread block (``small_grid``).
+    ``grid = (batch, heads_kv, seq_k, windowed, num_sms)``, where the caller knows the shape:
+    a grid too small to fill the GPU takes 64 keys a thread block (``small_grid``).
 
     Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
     process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
@@ -1284,7 +1291,10 @@ def default_config(dim, arch="sm_90a", grid=None):
     as soon as that half is stored (FlashAttention-3's form), measured level (2026-11-23,
     benchmarks/results/bwd_dq_split.md: 0.98-1.01x on twenty D64 and D128 rows, while two copies
     of one kernel in that run differed by up to 2.6%). L2 EVICT_LAST hints on the Q and dO loads
-    and on the reduce-add lost at D128 S8192 and S16384 without a mask (up to 7%).
+    and on the reduce-add lost at D128 S8192 and S16384 without a mask (up to 7%). Two thread
+    blocks an SM (64 keys and 64 queries a step, 232 consumer registers) measured 0.95-0.98x on
+    window-128 rows and lost to one thread block with 64 keys on small GQA grids (2026-11-24,
+    benchmarks/results/bwd_small_grid.md).
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
@@ -1295,18 +1305,22 @@ def default_config(dim, arch="sm_90a", grid=None):
     return dict(block_M=block_M, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
 
 
-def small_grid(dim, batch, heads_kv, groups, seq_k, num_sms):
+def small_grid(dim, batch, heads_kv, seq_k, windowed, num_sms):
     """Whether the backward takes 64 keys a thread block instead of 128 (one consumer
-    warpgroup): at D = 64 when the grid of 128-key blocks is at most two per SM. There a thread
-    block's walk is long against the number of blocks (causal key block 0 walks every query
-    block, of every head of its group), and with twice the blocks, each step half as long, the
-    longest walk ends sooner. Measured on an H100 (2026-11-24, bf16, graph replays, one
-    process): 1.34× at B1 H8 S1024 (64 blocks), 2.3-2.9× for GQA at B1-2 S2048 with 64 blocks,
-    1.64× at H16/Hkv2 S4096 causal, 1.91× at H64/Hkv8 S2048 causal (128 blocks), 1.07× at
-    H32/Hkv8 S4096 causal (256); 0.83-0.92× at 1024 blocks and more, where every SM is busy
-    anyway. D = 128 keeps 128 keys (one warpgroup there runs out of registers)."""
+    warpgroup): at D = 64 when the grid of 128-key blocks is at most two per SM, or, for a
+    window bounded on the left (``windowed``), at most half the SMs. Without a left bound a
+    thread block's walk is long against the number of blocks (causal key block 0 walks every
+    query block, of every head of its group), and with twice the blocks, each step half as
+    long, the longest walk ends sooner; a window's walks are a few query blocks, so there only
+    SMs left idle are worth filling. Measured on an H100 (2026-11-24, bf16, graph replays of the
+    backward, one process; benchmarks/results/bwd_small_grid.md): 1.34× at B1 H8 S1024 (64
+    blocks), 2.3-2.9× for GQA at B1-2 S2048 (64), 1.64× at H16/Hkv2 S4096 causal (64), 1.91× at
+    H64/Hkv8 S2048 causal (128), 1.07× at H32/Hkv8 S4096 causal (256); 0.83-0.92× at 1024
+    blocks and more. Windows: 1.17× at window 128 and 1.53× at (64, 64) with 64 blocks,
+    0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024 with 256. D = 128 keeps
+    128 keys (one warpgroup there runs out of registers)."""
     blocks = (seq_k + 127) // 128 * heads_kv * batch
-    return dim == 64 and blocks <= 2 * num_sms
+    return dim == 64 and blocks <= (num_sms // 2 if windowed else 2 * num_sms)
 
 
 def tune_configs(dim):
@@ -1387,7 +1401,7 @@ def run_backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
     dtype = dtype_name(q)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (B, Hkv, H // Hkv, Sk, num_sms)
+    grid = (B, Hkv, Sk, window[0] >= 0, num_sms)
     cfg = config or default_config(D, fwd.device_arch(q.device), grid)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
