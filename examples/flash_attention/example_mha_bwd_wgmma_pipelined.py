@@ -629,14 +629,14 @@ def flash_bwd(
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
+
     # One consumer warpgroup (block_M = 64, D = 64) computes both parts of the dQᵀ tile itself,
     # so the tile's order (and the postprocess) stays that of two.
-
     def dq_parts(wg):
         return (0, 1) if consumers == 128 else (wg,)
 
     def alloc_dq():
-        return tuple(T.alloc_fragment([dq_rows, dq_cols], "float32") for _ in dq_parts(0))
+        return tuple(T.alloc_fragment([dq_rows, dq_cols], accum_dtype) for _ in dq_parts(0))
 
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
