@@ -135,6 +135,43 @@ def test_single_key_block_causal_builds(dim, seq_q, seq_k):
     assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_consumer_warpgroup_builds_clean(causal):
+    """block_M = 64 (D = 64): one consumer warpgroup (256 threads) computes both parts of the
+    dQᵀ tile; no spills, no serialized WGMMA, and set_max_nreg's split fits its launch."""
+    mod = load_script(FAST)
+    kernel = build(mod, 1, 8, 2048, 64, causal, **dict(mod.default_config(64), block_M=64))
+    assert_clean_build(kernel, 256, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+    assert "__launch_bounds__(256" in kernel.get_kernel_source()
+
+
+@pytest.mark.parametrize("dim,block_M", [(128, 64), (64, 32), (64, 192)])
+def test_block_M_outside_the_built_forms_raises(dim, block_M):
+    """At D = 128 one warpgroup would serialize its WGMMAs (too few registers): refused."""
+    mod = load_script(FAST)
+    with pytest.raises(ValueError, match="block_M"):
+        build(mod, 1, 8, 1024, dim, False, **dict(mod.default_config(dim), block_M=block_M))
+
+
+@pytest.mark.parametrize(
+    "grid,block_M",
+    [  # (batch, kv heads, Sk, window bounded on the left, SMs)
+        ((1, 4, 2048, False, 132), 64),  # 64 thread blocks of 128 keys
+        ((1, 8, 4096, False, 132), 64),  # 256: two an SM
+        ((2, 8, 4096, False, 132), 128),  # 512: the GPU is full
+        ((1, 8, 4096, False, 100), 128),  # 256 on fewer SMs
+        ((1, 2, 4096, True, 132), 64),  # a window, 64 blocks: SMs left idle
+        ((1, 8, 2048, True, 132), 128),  # a window, 128 blocks
+    ],
+)
+def test_small_grid_takes_64_keys_a_thread_block(grid, block_M):
+    """default_config's shape-aware choice (``small_grid``), at D = 64 only."""
+    mod = load_script(FAST)
+    assert mod.default_config(64, "sm_90a", grid)["block_M"] == block_M
+    assert mod.default_config(128, "sm_90a", grid)["block_M"] == 128
+    assert mod.default_config(64, "sm_90a")["block_M"] == 128
+
+
 def test_tune_space_fits_shared_memory():
     """Every ``--tune`` configuration at D=128 builds and fits (80 queries a step leaves room
     for one dQ tile only)."""
@@ -523,6 +560,35 @@ def test_single_query_single_key(dim, poisoned_empty):
     assert rel_err(out, v.detach()) < 1e-2 and rel_err(dv, dout) < 2e-2
     bound = 1e-2 * (q.abs().max() + k.abs().max()).item() * dout.abs().max().item()
     assert dq.abs().max().item() <= bound and dk.abs().max().item() <= bound
+
+
+ONE_WARPGROUP_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale)
+    (2, 1000, 777, 4, 64, True, torch.bfloat16, 1),
+    (2, 255, 17, 4, 64, True, torch.float16, 1),  # one key block: a launch of two
+    (1, 1000, 255, 4, 64, True, torch.float16, 1),  # rows that see no key
+    (1, 17, 4096, 4, 64, False, torch.bfloat16, 1),
+    (2, 1000, 1000, 4, 64, True, torch.bfloat16, 10),  # large logits
+    (1, 777, 1000, 4, 64, False, torch.float16, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ONE_WARPGROUP_CASES, ids=_case_id)
+def test_one_consumer_warpgroup_gradients(case, poisoned_empty):
+    """block_M = 64 (one consumer warpgroup, which small grids take at D = 64) on ragged
+    shapes."""
+    mod = load_script(FAST)
+    check_case(mod, case, config=dict(mod.default_config(64), block_M=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in _gpu_cases() if c[4] == 64][::2], ids=_case_id)
+def test_two_warpgroups_at_small_grids(case, poisoned_empty):
+    """The matrix's D = 64 grids are small, so there the backward takes 64 keys a thread block
+    (``small_grid``); every other case again with 128 keys (``default_config`` passed
+    explicitly), so that form stays covered on the ragged shapes too."""
+    mod = load_script(FAST)
+    check_case(mod, case, config=mod.default_config(64))
 
 
 @pytest.mark.gpu

@@ -332,6 +332,10 @@ GPU_CASES = [
     (1, 4, 4, 4096, 4096, 64, 64, False, torch.float16, 1),
     (2, 8, 2, 17, 255, 128, 128, False, torch.float16, 1),
     (1, 4, 2, 255, 255, 128, 128, True, torch.float16, 10),
+    # D = 64 grids small enough that the group kernel takes 64 keys a thread block
+    (1, 8, 2, 255, 17, 64, 64, True, torch.bfloat16, 1),
+    (2, 8, 1, 777, 1000, 64, 64, False, torch.float16, 1),
+    (1, 16, 2, 17, 300, 64, 64, True, torch.bfloat16, 10),
 ]
 
 

@@ -68,6 +68,12 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
   and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
 
+A grid too small to fill the GPU (few kv heads and short sequences: a long walk per thread
+block on few SMs) takes 64 keys a thread block at D = 64 (``small_grid``): one consumer
+warpgroup (256 threads) that issues both parts of the dQᵀ tile itself, so the tile and the
+postprocess keep the order of two. Twice the thread blocks, each step half as long, end the
+longest walk sooner.
+
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
@@ -147,7 +153,8 @@ HEAD_DIMS = (64, 128)
 # Registers a thread after set_max_nreg. It only moves registers between the warpgroups inside
 # the thread block's launch allocation (168 a thread for 384 threads), so the consumers' rise
 # must be paid for by the producer's drop: 128·24 + 256·240 = 384·168. Ask for more and the
-# consumers wait for registers that never come.
+# consumers wait for registers that never come. (With one consumer warpgroup, block_M = 64, the
+# launch allocation is 240 a thread for 256 threads.)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # Named barriers (ids below 8 are left to TileLang's own passes): the two consumer warpgroups
@@ -608,6 +615,10 @@ def flash_bwd(
     skip_idle = left >= 0 and dim >= 128
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
+    if block_M not in (64, 128) or (block_M == 64 and dim > 64):
+        # One warpgroup holding dK, dV and both dQᵀ parts of a D = 128 step runs out of
+        # registers: ptxas serializes its WGMMAs.
+        raise ValueError(f"block_M must be 128, or 64 at D = 64; got {block_M} at D = {dim}")
     if not packed:
         offset = seq_kv - seq_q  # bottom-right causal alignment
         # Query i sees key j iff j <= i + hi (right >= 0) and j >= i + lo (left >= 0).
@@ -618,6 +629,15 @@ def flash_bwd(
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
+
+    # One consumer warpgroup (block_M = 64, D = 64) computes both parts of the dQᵀ tile itself,
+    # so the tile's order (and the postprocess) stays that of two.
+    def dq_parts(wg):
+        return (0, 1) if consumers == 128 else (wg,)
+
+    def alloc_dq():
+        return tuple(T.alloc_fragment([dq_rows, dq_cols], accum_dtype) for _ in dq_parts(0))
+
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
@@ -812,14 +832,17 @@ def flash_bwd(
         # then wait for the other warpgroup's half.
         T.fence_proxy_async()
         T.sync_threads(DS_READY, consumers)
-        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-        T.wait_wgmma(1)  # dV is done: dO is free
+        parts = dq_parts(wg)
+        for n, part in enumerate(parts):
+            dq_gemm(part, ds_buf, K_shared, ds_shared, dq[n])
+        T.wait_wgmma(len(parts))  # dV is done: dO is free
         T.barrier_arrive(do_empty[stage])
         dk_update(stage, ds_cast, Q_shared, dk)
         T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
         slot = i % dq_stages
         T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        dq_store(wg, slot, dq, dq_shared)
+        for n, part in enumerate(parts):
+            dq_store(part, slot, dq[n], dq_shared)
         T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
         T.barrier_arrive(dq_full[slot])
         T.wait_wgmma(0)  # dK is done: Q is free
@@ -841,11 +864,14 @@ def flash_bwd(
             ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
         T.fence_proxy_async()
         T.sync_threads(DS_READY, consumers)
-        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+        parts = dq_parts(wg)
+        for n, part in enumerate(parts):
+            dq_gemm(part, ds_buf, K_shared, ds_shared, dq[n])
         T.wait_wgmma(0)
         slot = i % dq_stages
         T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        dq_store(wg, slot, dq, dq_shared)
+        for n, part in enumerate(parts):
+            dq_store(part, slot, dq[n], dq_shared)
         T.fence_proxy_async()
         T.barrier_arrive(dq_full[slot])
 
@@ -862,7 +888,7 @@ def flash_bwd(
         ds_cast = T.alloc_fragment([wg_keys, block_N], dtype)
         dk = T.alloc_fragment([wg_keys, dim], accum_dtype)
         dv = T.alloc_fragment([wg_keys, dim], accum_dtype)
-        dq = T.alloc_fragment([dq_rows, dq_cols], accum_dtype)
+        dq = alloc_dq()
         T.clear(dk)
         T.clear(dv)
         T.mbarrier_wait_parity(kv_full, 0)
@@ -1005,7 +1031,7 @@ def flash_bwd(
                 dq_shared,
             )
             barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
-            if tx < 128:
+            if consumers == 128 or tx < 128:
                 consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
             else:
                 consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
@@ -1211,10 +1237,13 @@ def flash_bwd_post(
 
 
 # ----------------------------------------------------------------------------- configurations
-def default_config(dim, arch="sm_90a"):
-    """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64),
-    ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles in
-    shared memory.
+def default_config(dim, arch="sm_90a", grid=None):
+    """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64, or one
+    for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
+    in shared memory.
+
+    ``grid = (batch, heads_kv, seq_k, windowed, num_sms)``, where the caller knows the shape:
+    a grid too small to fill the GPU takes 64 keys a thread block (``small_grid``).
 
     Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
     process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
@@ -1262,14 +1291,36 @@ def default_config(dim, arch="sm_90a"):
     as soon as that half is stored (FlashAttention-3's form), measured level (2026-11-23,
     benchmarks/results/bwd_dq_split.md: 0.98-1.01x on twenty D64 and D128 rows, while two copies
     of one kernel in that run differed by up to 2.6%). L2 EVICT_LAST hints on the Q and dO loads
-    and on the reduce-add lost at D128 S8192 and S16384 without a mask (up to 7%).
+    and on the reduce-add lost at D128 S8192 and S16384 without a mask (up to 7%). Two thread
+    blocks an SM (64 keys and 64 queries a step, 232 consumer registers) measured 0.95-0.98x on
+    window-128 rows and lost to one thread block with 64 keys on small GQA grids (2026-11-24,
+    benchmarks/results/bwd_small_grid.md).
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
             f"arch {arch}: this kernel is written for Hopper (sm_90a: TMA, WGMMA, setmaxnreg); "
             "for Blackwell see examples/flash_attention_sm100/"
         )
-    return dict(block_M=128, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
+    block_M = 64 if grid is not None and small_grid(dim, *grid) else 128
+    return dict(block_M=block_M, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
+
+
+def small_grid(dim, batch, heads_kv, seq_k, windowed, num_sms):
+    """Whether the backward takes 64 keys a thread block instead of 128 (one consumer
+    warpgroup): at D = 64 when the grid of 128-key blocks is at most two per SM, or, for a
+    window bounded on the left (``windowed``), at most half the SMs. Without a left bound a
+    thread block's walk is long against the number of blocks (causal key block 0 walks every
+    query block, of every head of its group), and with twice the blocks, each step half as
+    long, the longest walk ends sooner; a window's walks are a few query blocks, so there only
+    SMs left idle are worth filling. Measured on an H100 (2026-11-24, bf16, graph replays of the
+    backward, one process; benchmarks/results/bwd_small_grid.md): 1.34× at B1 H8 S1024 (64
+    blocks), 2.3-2.9× for GQA at B1-2 S2048 (64), 1.64× at H16/Hkv2 S4096 causal (64), 1.91× at
+    H64/Hkv8 S2048 causal (128), 1.07× at H32/Hkv8 S4096 causal (256); 0.83-0.92× at 1024
+    blocks and more. Windows: 1.17× at window 128 and 1.53× at (64, 64) with 64 blocks,
+    0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024 with 256. D = 128 keeps
+    128 keys (one warpgroup there runs out of registers)."""
+    blocks = (seq_k + 127) // 128 * heads_kv * batch
+    return dim == 64 and blocks <= (num_sms // 2 if windowed else 2 * num_sms)
 
 
 def tune_configs(dim):
@@ -1349,7 +1400,9 @@ def run_backward(
         delta = torch.zeros(B, H, Sq, dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
     dtype = dtype_name(q)
-    cfg = config or default_config(D, fwd.device_arch(q.device))
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (B, Hkv, Sk, window[0] >= 0, num_sms)
+    cfg = config or default_config(D, fwd.device_arch(q.device), grid)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
