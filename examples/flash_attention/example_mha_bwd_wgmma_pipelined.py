@@ -556,6 +556,7 @@ def flash_bwd(
     key_stride=1,
     first_store=False,
     ordered_store=False,
+    head_splits=1,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -594,6 +595,11 @@ def flash_bwd(
     reduce-add would be); otherwise, with p > 1, it takes the remaining key blocks and adds, after
     the first launch (stream order). With p = 1 and no ``first_store``: every key block, adding.
 
+    ``head_splits`` (dense layouts, a divisor of ``groups``): the group's query heads are
+    shared out over that many thread blocks a key block, each walking ``groups // head_splits``
+    of them, for grids too small to fill the GPU. Each part's dK and dV leave in float32 to
+    ``dK``, ``dV`` of shape ``[head_splits] + [kv shape]``, summed after the kernel.
+
     ``ordered_store`` (dense layouts, one launch; ``ordered_store_pays`` says when): the kernel
     takes one more argument, ``Ready``, int32 ``[B, H, query blocks]``, zeroed. Each key block
     walks every head's query blocks last to first; it stores the tiles from
@@ -615,6 +621,8 @@ def flash_bwd(
     skip_idle = left >= 0 and dim >= 128
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
+    if head_splits > 1 and (packed or groups % head_splits):
+        raise ValueError(f"head_splits ({head_splits}) must divide groups ({groups}), dense only")
     if block_M not in (64, 128) or (block_M == 64 and dim > 64):
         # One warpgroup holding dK, dV and both dQᵀ parts of a D = 128 step runs out of
         # registers: ptxas serializes its WGMMAs.
@@ -641,23 +649,27 @@ def flash_bwd(
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
+    # head_splits: the group's query heads are shared out over that many thread blocks a key
+    # block, each walking ``walked`` of them (grid row ``by`` = kv head · head_splits + part).
+    walked = groups // head_splits
+
     def step_count(n_blocks):
-        """Steps of a thread block: ``n_blocks`` query blocks for each head of its group."""
-        return n_blocks if groups == 1 else groups * n_blocks
+        """Steps of a thread block: ``n_blocks`` query blocks for each head it walks."""
+        return n_blocks if walked == 1 else walked * n_blocks
 
     def step_coords(by, q_start, n_blocks, i):
-        """(query head, query block) of step ``i``: the group's heads one after the other.
+        """(query head, query block) of step ``i``: the walked heads one after the other.
         ``ordered_store``: each head's query blocks last to first, so that the tiles this key
         block stores (the highest of its range) come before the ones it adds into."""
         if ordered_store:
             n = T.max(n_blocks, 1)
-            return by * groups + i // n, q_start + n_blocks - 1 - i % n
-        if groups == 1:
+            return by * walked + i // n, q_start + n_blocks - 1 - i % n
+        if walked == 1:
             return by, q_start + i
         # No step runs when n_blocks is 0, but TVM may fold the division where it is in the
         # second launch of a window's key blocks (key_stride): there, divide by at least 1.
         n = T.max(n_blocks, 1) if key_stride > 1 else n_blocks
-        return by * groups + i // n, q_start + i % n
+        return by * walked + i // n, q_start + i % n
 
     # The loop's compute steps, named. T.macro is inlined: the generated CUDA is the same as
     # with the steps written out. Each GEMM step (scores, dp, dv_update, dq_gemm, dk_update)
@@ -876,6 +888,25 @@ def flash_bwd(
         T.barrier_arrive(dq_full[slot])
 
     @T.macro
+    def epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV):
+        r0 = wg * wg_keys
+        # Epilogue through shared memory: from registers each thread holds pairs of 16-bit
+        # values scattered over rows, which would fill half of every 32-byte sector it writes;
+        # staged in K and V's buffers, the rows leave as 16-byte vectors. V's rows are this
+        # warpgroup's alone; K's are free once both warpgroups' last dQ GEMM (it reads every
+        # row of K) is done, which the named barrier says. Keys past Sk (packed: the next
+        # sequence's) are not written.
+        T.copy(dv, V_shared[r0 : r0 + wg_keys, :])
+        T.sync_threads(DS_READY, consumers)
+        T.copy(dk, K_shared[r0 : r0 + wg_keys, :])
+        T.sync_threads(EPILOGUE + wg, 128)  # this warpgroup's rows are all in shared memory
+        for r, c in T.Parallel(wg_keys, dim):
+            if first_key + r < seq.kv_len:
+                at = seq_index(layout, seq.k_row, by, first_key + r, c)
+                dV[at] = V_shared[r0 + r, c]
+                dK[at] = K_shared[r0 + r, c]
+
+    @T.macro
     def consumer_warpgroup(wg, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV):
         # Consumer warpgroup wg: keys wg·64 … wg·64+63 of the block. Each warpgroup is its own
         # code path, so every shared-memory offset in its WGMMA descriptors is a constant.
@@ -910,22 +941,18 @@ def flash_bwd(
                 step(wg, i, k, bx, seq, shared, barriers, frags)
         for r, c in T.Parallel(wg_keys, dim):
             dk[r, c] = dk[r, c] * softmax_scale
-        # Epilogue through shared memory: from registers each thread holds pairs of 16-bit
-        # values scattered over rows, which would fill half of every 32-byte sector it writes;
-        # staged in K and V's buffers, the rows leave as 16-byte vectors. V's rows are this
-        # warpgroup's alone; K's are free once both warpgroups' last dQ GEMM (it reads every
-        # row of K) is done, which the named barrier says. Keys past Sk (packed: the next
-        # sequence's) are not written.
-        T.copy(dv, V_shared[r0 : r0 + wg_keys, :])
-        T.sync_threads(DS_READY, consumers)
-        T.copy(dk, K_shared[r0 : r0 + wg_keys, :])
-        T.sync_threads(EPILOGUE + wg, 128)  # this warpgroup's rows are all in shared memory
         first_key = bx * block_M + wg * wg_keys
-        for r, c in T.Parallel(wg_keys, dim):
-            if first_key + r < seq.kv_len:
-                at = seq_index(layout, seq.k_row, by, first_key + r, c)
-                dV[at] = V_shared[r0 + r, c]
-                dK[at] = K_shared[r0 + r, c]
+        if head_splits > 1:
+            # This part of the group's dK and dV, in float32 (summed over the parts after the
+            # kernel), straight from registers: a small grid's epilogue is short.
+            part, kv = by % head_splits, by // head_splits
+            for r, c in T.Parallel(wg_keys, dim):
+                if first_key + r < seq.kv_len:
+                    at = seq_index(layout, seq.k_row, kv, first_key + r, c)
+                    dV[(part, *at)] = dv[r, c]
+                    dK[(part, *at)] = dk[r, c]
+        else:
+            epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV)
 
     @T.macro
     def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
@@ -961,7 +988,7 @@ def flash_bwd(
                 # Warp 0: K, V once; then Q (+ lse2) and dO (+ delta) for every step.
                 # Keys past Sk and queries past Sq read as zeros (TMA fills out of bounds;
                 # packed: the next sequence's rows, then zeros past the last one).
-                kv_rows = (seq.k_row, by, bx * block_M, block_M)
+                kv_rows = (seq.k_row, by // head_splits, bx * block_M, block_M)
                 T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
                 T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
                 T.barrier_arrive(kv_full)
@@ -1095,6 +1122,9 @@ def flash_bwd(
 
         return flash_bwd_varlen
 
+    # head_splits > 1: each part's float32 dK and dV, [head_splits] + the kv shape
+    dkv_shape = kv_shape if head_splits == 1 else [head_splits, *kv_shape]
+    dkv_dtype = dtype if head_splits == 1 else accum_dtype
     n_key_blocks = (seq_kv + block_M - 1) // block_M
     n_stored = (n_key_blocks + key_stride - 1) // key_stride  # key blocks 0, p, 2p, …
     grid_x = n_stored if first_store or key_stride == 1 else n_key_blocks - n_stored
@@ -1115,10 +1145,14 @@ def flash_bwd(
             Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
             dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
             Ready: T.Tensor([batch, heads, seq_q_pad // block_N], "int32"),
-            dK: T.Tensor(kv_shape, dtype),
-            dV: T.Tensor(kv_shape, dtype),
+            dK: T.Tensor(dkv_shape, dkv_dtype),
+            dV: T.Tensor(dkv_shape, dkv_dtype),
         ):
-            with T.Kernel(n_key_blocks, heads_kv, batch, threads=threads) as (bx, by, bz):
+            with T.Kernel(n_key_blocks, heads_kv * head_splits, batch, threads=threads) as (
+                bx,
+                by,
+                bz,
+            ):
                 T.import_source(READY_FLAGS_SOURCE)
                 thread_block(bx, by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, Ready)
 
@@ -1141,15 +1175,19 @@ def flash_bwd(
         lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
-        dK: T.Tensor(kv_shape, dtype),
-        dV: T.Tensor(kv_shape, dtype),
+        dK: T.Tensor(dkv_shape, dkv_dtype),
+        dV: T.Tensor(dkv_shape, dkv_dtype),
     ):
         # A launch of a single key block gets one more thread block, which leaves at once: with
         # a grid of extent 1, bx would be the constant 0, and from that TileLang 0.1.15 fails to
         # build some causal shapes with Sq > Sk ("Can't fetch the lanes of a scalable vector";
         # e.g. D128, Sq 255, Sk 17). Under the test bx stays a variable (0 at run time); with
         # more key blocks the test always holds and the compiler drops it.
-        with T.Kernel(max(grid_x, 2), heads_kv, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(max(grid_x, 2), heads_kv * head_splits, batch, threads=threads) as (
+            bx,
+            by,
+            bz,
+        ):
             if bx < grid_x:
                 thread_block(
                     key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
@@ -1412,6 +1450,10 @@ def run_backward(
     n_blocks = seq_q_pad // cfg["block_N"]
     dq_accum = torch.empty(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
     dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+    splits = cfg.get("head_splits", 1)
+    if splits > 1:  # each part's float32 dK, dV; summed below
+        dk = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
     kernels = backward_kernels(
         Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout
     )
@@ -1429,6 +1471,8 @@ def run_backward(
         if name in kernels:
             factory, args, kw = kernels[name]
             factory(B, H, *args, **kw)(*tensors)
+    if splits > 1:
+        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
     return dq, dk, dv, delta
 
 
