@@ -1353,7 +1353,7 @@ def small_grid(dim, batch, heads_kv, seq_k, windowed, num_sms):
     SMs left idle are worth filling. Measured on an H100 (2026-11-24, bf16, graph replays of the
     backward, one process; benchmarks/results/bwd_small_grid.md): 1.34× at B1 H8 S1024 (64
     blocks), 2.3-2.9× for GQA at B1-2 S2048 (64), 1.64× at H16/Hkv2 S4096 causal (64), 1.91× at
-    H64/Hkv8 S2048 causal (128), 1.07× at H32/Hkv8 S4096 causal (256); 0.83-0.92× at 1024
+    H64/Hkv8 S2048 causal (128), 1.07× at H32/Hkv8 S4096 causal (256); 0.83-0.91× at 1024
     blocks and more. Windows: 1.17× at window 128 and 1.53× at (64, 64) with 64 blocks,
     0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024 with 256. D = 128 keeps
     128 keys (one warpgroup there runs out of registers)."""
