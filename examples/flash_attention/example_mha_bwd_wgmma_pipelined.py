@@ -637,17 +637,17 @@ def flash_bwd(
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
+    dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
+    dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
     # One consumer warpgroup (block_M = 64, D = 64) computes both parts of the dQᵀ tile itself,
-    # so the tile's order (and the postprocess) stays that of two.
+    # so the tile's order (and the postprocess) stays that of two. A warpgroup's ``dq`` is the
+    # tuple of its parts' fragments.
     def dq_parts(wg):
         return (0, 1) if consumers == 128 else (wg,)
 
     def alloc_dq():
         return tuple(T.alloc_fragment([dq_rows, dq_cols], accum_dtype) for _ in dq_parts(0))
-
-    dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
-    dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
     # head_splits: the group's query heads are shared out over that many thread blocks a key
     # block, each walking ``walked`` of them (grid row ``by`` = kv head · head_splits + part).
@@ -742,26 +742,27 @@ def flash_bwd(
 
     @T.macro
     def dq_gemm(wg, ds_buf, K_shared, ds_shared, dq):
-        # This warpgroup's part of dQᵀ = Kᵀ dSᵀ (``dq_split``). dSᵀ comes from shared memory:
-        # dQ sums over all the block's keys, so it needs both warpgroups' halves of dSᵀ.
-        if dq_split_dim:  # dQᵀ[half of D, :] = Kᵀ[half of D, :] dSᵀ
-            d0 = wg * dq_rows
-            T.wgmma_gemm(
-                K_shared[:, d0 : d0 + dq_rows],
-                ds_shared[ds_buf, :, :],
-                dq,
-                transpose_A=True,
-                clear_accum=True,
-            )
-        else:  # dQᵀ[:, half of the queries] = Kᵀ dSᵀ[:, half]
-            c0 = wg * dq_cols
-            T.wgmma_gemm(
-                K_shared,
-                ds_shared[ds_buf, :, c0 : c0 + dq_cols],
-                dq,
-                transpose_A=True,
-                clear_accum=True,
-            )
+        # This warpgroup's parts of dQᵀ = Kᵀ dSᵀ (``dq_split``), one GEMM each. dSᵀ comes from
+        # shared memory: dQ sums over all the block's keys, so it needs both halves of dSᵀ.
+        for part, frag in zip(dq_parts(wg), dq, strict=True):
+            if dq_split_dim:  # dQᵀ[half of D, :] = Kᵀ[half of D, :] dSᵀ
+                d0 = part * dq_rows
+                T.wgmma_gemm(
+                    K_shared[:, d0 : d0 + dq_rows],
+                    ds_shared[ds_buf, :, :],
+                    frag,
+                    transpose_A=True,
+                    clear_accum=True,
+                )
+            else:  # dQᵀ[:, half of the queries] = Kᵀ dSᵀ[:, half]
+                c0 = part * dq_cols
+                T.wgmma_gemm(
+                    K_shared,
+                    ds_shared[ds_buf, :, c0 : c0 + dq_cols],
+                    frag,
+                    transpose_A=True,
+                    clear_accum=True,
+                )
 
     @T.macro
     def dk_update(stage, ds_cast, Q_shared, dk):
@@ -772,8 +773,9 @@ def flash_bwd(
     def dq_store(wg, slot, dq, dq_shared):
         # dQᵀ into dq_shared for producer warp 1's bulk reduce-add, in the order the threads
         # hold it (``accumulator_index``): 16-byte stores, no bank conflicts.
-        for r, c in T.Parallel(dq_rows, dq_cols):
-            dq_shared[slot, wg * (dq_tile // 2) + accumulator_index(r, c)] = dq[r, c]
+        for part, frag in zip(dq_parts(wg), dq, strict=True):
+            for r, c in T.Parallel(dq_rows, dq_cols):
+                dq_shared[slot, part * (dq_tile // 2) + accumulator_index(r, c)] = frag[r, c]
 
     @T.macro
     def dq_reduce_ordered(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum, ready, s_lo):
@@ -844,17 +846,14 @@ def flash_bwd(
         # then wait for the other warpgroup's half.
         T.fence_proxy_async()
         T.sync_threads(DS_READY, consumers)
-        parts = dq_parts(wg)
-        for n, part in enumerate(parts):
-            dq_gemm(part, ds_buf, K_shared, ds_shared, dq[n])
-        T.wait_wgmma(len(parts))  # dV is done: dO is free
+        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+        T.wait_wgmma(len(dq))  # dV is done: dO is free (the dQᵀ GEMMs may still run)
         T.barrier_arrive(do_empty[stage])
         dk_update(stage, ds_cast, Q_shared, dk)
         T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
         slot = i % dq_stages
         T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        for n, part in enumerate(parts):
-            dq_store(part, slot, dq[n], dq_shared)
+        dq_store(wg, slot, dq, dq_shared)
         T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
         T.barrier_arrive(dq_full[slot])
         T.wait_wgmma(0)  # dK is done: Q is free
@@ -876,14 +875,11 @@ def flash_bwd(
             ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
         T.fence_proxy_async()
         T.sync_threads(DS_READY, consumers)
-        parts = dq_parts(wg)
-        for n, part in enumerate(parts):
-            dq_gemm(part, ds_buf, K_shared, ds_shared, dq[n])
+        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
         T.wait_wgmma(0)
         slot = i % dq_stages
         T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        for n, part in enumerate(parts):
-            dq_store(part, slot, dq[n], dq_shared)
+        dq_store(wg, slot, dq, dq_shared)
         T.fence_proxy_async()
         T.barrier_arrive(dq_full[slot])
 
@@ -1438,9 +1434,11 @@ def run_backward(
         delta = torch.zeros(B, H, Sq, dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
     dtype = dtype_name(q)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (B, Hkv, Sk, window[0] >= 0, num_sms)
-    cfg = config or default_config(D, fwd.device_arch(q.device), grid)
+    cfg = config
+    if not cfg:  # the default, for this grid
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        grid = (B, Hkv, Sk, window[0] >= 0, num_sms)
+        cfg = default_config(D, fwd.device_arch(q.device), grid)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
