@@ -22,8 +22,8 @@ from helpers import load_script  # noqa: E402
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
 for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attention, 4, 1)):
-    # (255, 17): one key block, whose launch gets a second thread block that leaves at once.
-    for D, Sq, Sk in ((64, 200, 333), (128, 200, 333), (128, 255, 17)):
+    # (255, 17), (512, 64): one key block, which sees one query block.
+    for D, Sq, Sk in ((64, 200, 333), (128, 200, 333), (128, 255, 17), (64, 512, 64)):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (
             torch.randn(1, S, heads, D, generator=g, device="cuda", dtype=torch.bfloat16)

@@ -119,20 +119,25 @@ def test_no_spills_and_fits_shared_memory(dim, causal):
 
 
 @pytest.mark.parametrize(
-    "dim,seq_q,seq_k", [(128, 255, 17), (128, 300, 1), (128, 448, 17), (64, 500, 17)]
+    "dim,seq_q,seq_k,block_M",
+    [(128, 255, 17, 128), (128, 300, 1, 128), (128, 448, 17, 128), (64, 500, 17, 128)]
+    + [(64, 500, 17, 64), (64, 512, 64, 64), (64, 1000, 64, 64)],
 )
-def test_single_key_block_causal_builds(dim, seq_q, seq_k):
-    """Causal, one key block, more queries than keys: shapes whose build TileLang 0.1.15 once
-    rejected ("Can't fetch the lanes of a scalable vector") while bx was the constant 0 of a grid
-    of extent 1. The launch now has a second thread block that leaves at once; the kernel
-    builds clean and its work sits under that test."""
+def test_single_key_block_causal_builds(dim, seq_q, seq_k, block_M):
+    """Causal, one key block, more queries than keys: the key block sees one query block, a
+    compile-time constant, so dQ_accum's address is a head's stride times the head plus a
+    constant. TileLang 0.1.15 rejected such builds ("Can't fetch the lanes of a scalable
+    vector") while that address was an ``address_of``; as ``access_ptr`` they build clean,
+    with a grid of exactly the key blocks."""
     import harness
 
     mod = load_script(FAST)
     args = (2, 8, seq_q, seq_k, dim, True, dim**-0.5, "bfloat16")
-    kernel = harness.compile_for(mod.flash_bwd, "sm_90a", *args, **mod.default_config(dim))
-    assert "if (((int)blockIdx.x) < 1) {" in kernel.get_kernel_source()
-    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+    cfg = dict(mod.default_config(dim), block_M=block_M)
+    kernel = harness.compile_for(mod.flash_bwd, "sm_90a", *args, **cfg)
+    assert "blockIdx.x) < " not in kernel.get_kernel_source()
+    threads = 384 if block_M == 128 else 256
+    assert_clean_build(kernel, threads, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -533,7 +538,7 @@ def _gpu_cases():
             (2, 255, 1000, 4, D, True, bf16, 1),  # fewer queries than keys
             (1, 1000, 255, 4, D, True, f16, 1),  # 745 rows see no key: out 0, dq 0
             (2, 1000, 17, 4, D, True, bf16, 1),  # 983 rows see no key
-            (2, 255, 17, 4, D, True, f16, 1),  # one key block: a launch of two thread blocks
+            (2, 255, 17, 4, D, True, f16, 1),  # one key block, one query block visible
             (1, 17, 4096, 4, D, False, f16, 1),
             (2, 777, 1000, 4, D, False, bf16, 1),
             (2, 1000, 1000, 4, D, True, bf16, 10),  # large logits
@@ -591,7 +596,8 @@ def test_single_query_single_key(dim, poisoned_empty):
 
 ONE_WARPGROUP_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale)
     (2, 1000, 777, 4, 64, True, torch.bfloat16, 1),
-    (2, 255, 17, 4, 64, True, torch.float16, 1),  # one key block: a launch of two
+    (2, 255, 17, 4, 64, True, torch.float16, 1),  # one key block
+    (1, 512, 64, 4, 64, True, torch.bfloat16, 1),  # one key block, one query block visible
     (1, 1000, 255, 4, 64, True, torch.float16, 1),  # rows that see no key
     (1, 17, 4096, 4, 64, False, torch.bfloat16, 1),
     (2, 1000, 1000, 4, 64, True, torch.bfloat16, 10),  # large logits

@@ -183,15 +183,32 @@ def accumulator_coords(at):
 def bulk_reduce_add(dst, src, count):
     """dst[0:count] += src[0:count] (float32, global += shared) with one bulk asynchronous
     reduce-add. TileLang's ``T.atomic_add(..., use_tma=True)`` splits a tile into boxes of at
-    most 256 elements; a contiguous tile needs only this one instruction."""
-    T.call_extern("handle", "tl::tma_store_add", T.address_of(src), T.address_of(dst), count * 4)
+    most 256 elements; a contiguous tile needs only this one instruction. The addresses are
+    ``T.access_ptr``, not ``T.address_of``: to TileLang 0.1.15 an ``address_of`` is a scalar
+    load, whose vector width its storage rewrite takes from the index's stride, and when the
+    query block is a compile-time constant (causal Sq > Sk, one query block visible) that
+    stride is a head's whole dQ_accum, which can overflow the width ("Can't fetch the lanes of
+    a scalable vector"; e.g. D64, Sq 512, Sk 64)."""
+    T.call_extern(
+        "handle",
+        "tl::tma_store_add",
+        T.access_ptr(src, "r", count),
+        T.access_ptr(dst, "w", count),
+        count * 4,
+    )
 
 
 @T.macro
 def bulk_store(dst, src, count):
     """dst[0:count] = src[0:count] (float32, global = shared) with one bulk asynchronous copy,
     as ``bulk_reduce_add`` adds."""
-    T.call_extern("handle", "tl::tma_store", T.address_of(dst), T.address_of(src), count * 4)
+    T.call_extern(
+        "handle",
+        "tl::tma_store",
+        T.access_ptr(dst, "w", count),
+        T.access_ptr(src, "r", count),
+        count * 4,
+    )
 
 
 def dq_split(dim, block_N):
@@ -794,14 +811,14 @@ def flash_bwd(
                 "handle",
                 "dq_store_or_add",
                 store,
-                T.address_of(dQ_accum[at]),
-                T.address_of(dq_shared[slot, 0]),
+                T.access_ptr(dQ_accum[at], "w", dq_tile),
+                T.access_ptr(dq_shared[slot, 0], "r", dq_tile),
                 dq_tile * 4,
-                T.address_of(ready[seq.tile, h, k]),
+                T.access_ptr(ready[seq.tile, h, k], "rw"),
             )
         T.barrier_arrive(dq_empty[slot])  # the tile is read: the consumers may refill it
         if tx == consumers + 32:
-            T.call_extern("handle", "dq_publish", store, T.address_of(ready[seq.tile, h, k]))
+            T.call_extern("handle", "dq_publish", store, T.access_ptr(ready[seq.tile, h, k], "w"))
 
     @T.macro
     def dq_reduce(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum):
@@ -1174,20 +1191,8 @@ def flash_bwd(
         dK: T.Tensor(dkv_shape, dkv_dtype),
         dV: T.Tensor(dkv_shape, dkv_dtype),
     ):
-        # A launch of a single key block gets one more thread block, which leaves at once: with
-        # a grid of extent 1, bx would be the constant 0, and from that TileLang 0.1.15 fails to
-        # build some causal shapes with Sq > Sk ("Can't fetch the lanes of a scalable vector";
-        # e.g. D128, Sq 255, Sk 17). Under the test bx stays a variable (0 at run time); with
-        # more key blocks the test always holds and the compiler drops it.
-        with T.Kernel(max(grid_x, 2), heads_kv * head_splits, batch, threads=threads) as (
-            bx,
-            by,
-            bz,
-        ):
-            if bx < grid_x:
-                thread_block(
-                    key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV
-                )
+        with T.Kernel(grid_x, heads_kv * head_splits, batch, threads=threads) as (bx, by, bz):
+            thread_block(key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
 
     return flash_bwd
 
