@@ -187,21 +187,50 @@ def test_block_M_outside_the_built_forms_raises(dim, block_M):
 
 @pytest.mark.parametrize(
     "grid,block_M",
-    [  # (batch, kv heads, Sk, window bounded on the left, SMs)
-        ((1, 4, 2048, False, 132), 64),  # 64 thread blocks of 128 keys
-        ((1, 8, 4096, False, 132), 64),  # 256: two an SM
-        ((2, 8, 4096, False, 132), 128),  # 512: the GPU is full
-        ((1, 8, 4096, False, 100), 128),  # 256 on fewer SMs
-        ((1, 2, 4096, True, 132), 64),  # a window, 64 blocks: SMs left idle
-        ((1, 8, 2048, True, 132), 128),  # a window, 128 blocks
+    [  # (batch, kv heads, groups, Sk, causal, window bounded on the left, SMs)
+        ((1, 4, 1, 2048, False, False, 132), 64),  # 64 thread blocks of 128 keys
+        ((1, 4, 8, 2048, True, False, 132), 64),
+        ((1, 8, 1, 4096, True, False, 132), 64),  # 256, one head's causal walks
+        ((1, 8, 1, 4096, False, False, 132), 64),  # 256 full walks of one head
+        ((1, 8, 4, 4096, False, False, 132), 128),  # 256 full walks of a group
+        ((1, 8, 4, 4096, True, False, 132), 128),  # 256, GQA: head splits instead
+        ((2, 8, 1, 4096, True, False, 132), 128),  # 512: the GPU is full
+        ((1, 8, 1, 4096, True, False, 100), 128),  # 256 on fewer SMs
+        ((1, 2, 8, 4096, False, True, 132), 64),  # a window, 64 blocks: SMs left idle
+        ((1, 8, 8, 2048, False, True, 132), 128),  # a window, 128 blocks
     ],
 )
 def test_small_grid_takes_64_keys_a_thread_block(grid, block_M):
     """default_config's shape-aware choice (``small_grid``), at D = 64 only."""
     mod = load_script(FAST)
+    grid = mod.Grid(*grid)
     assert mod.default_config(64, "sm_90a", grid)["block_M"] == block_M
     assert mod.default_config(128, "sm_90a", grid)["block_M"] == 128
     assert mod.default_config(64, "sm_90a")["block_M"] == 128
+
+
+@pytest.mark.parametrize(
+    "dim,grid,splits",
+    [  # (batch, kv heads, groups, Sk, causal, window bounded on the left, SMs)
+        (128, (1, 4, 8, 2048, True, False, 132), 8),  # 64 thread blocks
+        (128, (1, 8, 4, 4096, True, False, 132), 4),  # 256
+        (128, (1, 8, 4, 8192, True, False, 132), 2),  # 512
+        (128, (2, 8, 4, 8192, True, False, 132), 1),  # 1024: eight an SM already
+        (128, (1, 8, 6, 4096, True, False, 132), 2),  # 4 does not divide 6
+        (128, (1, 4, 8, 2048, False, False, 132), 8),  # full walks on half the SMs
+        (128, (1, 4, 8, 4096, False, False, 132), 1),  # full walks on 128 of 132 SMs
+        (128, (1, 8, 8, 8192, False, True, 132), 1),  # a window
+        (128, (1, 8, 1, 2048, True, False, 132), 1),  # MHA: one head a group
+        (64, (1, 4, 8, 2048, True, False, 132), 8),  # 128 thread blocks of 64 keys
+        (64, (1, 8, 8, 2048, True, False, 132), 8),  # 128 of 128 keys
+        (64, (1, 8, 4, 4096, False, False, 132), 1),
+    ],
+)
+def test_small_gqa_grids_split_the_group_heads(dim, grid, splits):
+    """default_config's ``head_splits`` (``grid_head_splits``); none without a grid."""
+    mod = load_script(FAST)
+    assert mod.default_config(dim, "sm_90a", mod.Grid(*grid))["head_splits"] == splits
+    assert mod.default_config(dim, "sm_90a")["head_splits"] == 1
 
 
 def test_tune_space_fits_shared_memory():

@@ -77,7 +77,11 @@ longest walk sooner.
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
-so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way.
+so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way. On a
+grid too small to fill the GPU the group's heads are shared out over ``head_splits`` thread
+blocks a key block instead (``grid_head_splits``): each writes its part of dK and dV in float32
+and the parts are summed after the kernel, which costs less than SMs left idle or a causal
+grid's longest walk.
 
 Packed (varlen) batches — ``[total, H, D]`` tensors with ``cu_seqlens`` — need no second
 schedule either: with ``layout="thd"`` the three kernels read each sequence's offsets and lengths
@@ -925,7 +929,6 @@ def flash_bwd(
         # code path, so every shared-memory offset in its WGMMA descriptors is a constant.
         # ``shared`` and ``barriers``: thread_block's buffers and mbarriers, in its order.
         K_shared, V_shared, kv_full = shared[0], shared[1], barriers[0]
-        r0 = wg * wg_keys  # first row of K, V and dSᵀ (in the block) this warpgroup owns
         acc_s = T.alloc_fragment([wg_keys, block_N], accum_dtype)
         acc_dp = T.alloc_fragment([wg_keys, block_N], accum_dtype)
         acc_s_cast = T.alloc_fragment([wg_keys, block_N], dtype)
@@ -1281,8 +1284,9 @@ def default_config(dim, arch="sm_90a", grid=None):
     for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
     in shared memory.
 
-    ``grid = (batch, heads_kv, seq_k, windowed, num_sms)``, where the caller knows the shape:
-    a grid too small to fill the GPU takes 64 keys a thread block (``small_grid``).
+    ``grid`` (a ``Grid``), where the caller knows the shape: a grid too small to fill the GPU
+    takes 64 keys a thread block (``small_grid``) and shares a GQA group's heads out over
+    ``head_splits`` thread blocks a key block (``grid_head_splits``).
 
     Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
     process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
@@ -1341,34 +1345,81 @@ def default_config(dim, arch="sm_90a", grid=None):
             "for Blackwell see examples/flash_attention_sm100/"
         )
     block_M = 64 if grid is not None and small_grid(dim, *grid) else 128
-    return dict(block_M=block_M, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
+    splits = 1 if grid is None else grid_head_splits(block_M, *grid)
+    block_N = 128 if dim <= 64 else 64
+    return dict(block_M=block_M, block_N=block_N, num_stages=2, dq_stages=1, head_splits=splits)
 
 
-def small_grid(dim, batch, heads_kv, seq_k, windowed, num_sms):
+class Grid(typing.NamedTuple):
+    """What the default config needs of a dense backward's shape: its kv heads' thread blocks
+    (``batch``, ``heads_kv``, ``seq_k``), the query heads each walks (``groups``), whether its
+    walks are triangles (``causal``) or a window's band (``windowed``: bounded on the left),
+    and the GPU's SMs."""
+
+    batch: int
+    heads_kv: int
+    groups: int
+    seq_k: int
+    causal: bool
+    windowed: bool
+    num_sms: int
+
+
+def small_grid(dim, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
     """Whether the backward takes 64 keys a thread block instead of 128 (one consumer
-    warpgroup): at D = 64 when the grid of 128-key blocks is at most two per SM, or, for a
-    window bounded on the left (``windowed``), at most half the SMs. Without a left bound a
-    thread block's walk is long against the number of blocks (causal key block 0 walks every
-    query block, of every head of its group), and with twice the blocks, each step half as
-    long, the longest walk ends sooner; a window's walks are a few query blocks, so there only
-    SMs left idle are worth filling. Measured on an H100 (2026-11-24, bf16, graph replays of the
-    backward, one process; benchmarks/results/bwd_small_grid.md): 1.34× at B1 H8 S1024 (64
-    blocks), 2.3-2.9× for GQA at B1-2 S2048 (64), 1.64× at H16/Hkv2 S4096 causal (64), 1.91× at
-    H64/Hkv8 S2048 causal (128), 1.07× at H32/Hkv8 S4096 causal (256); 0.83-0.91× at 1024
-    blocks and more. Windows: 1.17× at window 128 and 1.53× at (64, 64) with 64 blocks,
-    0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024 with 256. D = 128 keeps
-    128 keys (one warpgroup there runs out of registers)."""
+    warpgroup), at D = 64: when the grid of 128-key blocks is at most half the SMs, or, for
+    one head a group (MHA) without a window bound on the left, at most two per SM. Twice the
+    thread blocks, each step half as long, end the longest walk sooner; a GQA grid above half
+    the SMs does better with 128 keys and its heads split (``grid_head_splits``), and a
+    window's walks are a few query blocks, so there only SMs left idle are worth filling.
+    D = 128 keeps 128 keys (one warpgroup there runs out of registers).
+
+    Measured on an H100 (2026-11-24, bf16, graph replays of the backward, one process;
+    benchmarks/results/bwd_small_grid.md, bwd_head_splits.md), 64 keys against 128: MHA 1.34×
+    at B1 H8 S1024 (64 blocks), 1.31× at B1 H8 S2048 (128), 1.10× at B1 H16 S2048 (256), level
+    at B1 H16 S1024 (128); GQA 2.3-2.9× at B1-2 S2048 (64), 1.91× at H64/Hkv8 S2048 causal
+    (128), where 128 keys with 8 head splits is 1.17× faster still, and 0.79× at H32/Hkv8
+    S4096 (256); 0.83-0.91× at 1024 blocks and more. Windows: 1.17× at window 128 and 1.53× at
+    (64, 64) with 64 blocks, 0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024
+    with 256."""
     blocks = (seq_k + 127) // 128 * heads_kv * batch
-    return dim == 64 and blocks <= (num_sms // 2 if windowed else 2 * num_sms)
+    if dim != 64:
+        return False
+    return blocks <= (2 * num_sms if groups == 1 and not windowed else num_sms // 2)
+
+
+def grid_head_splits(block_M, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
+    """``head_splits`` for a dense GQA grid: the most (2, 4 or 8, dividing ``groups``) that
+    keep the thread blocks at most eight an SM, for causal walks, or for full walks on a grid of
+    at most half the SMs; 1 for windows and for larger full grids. A causal grid's first key
+    blocks walk longest; shorter walks on more thread blocks balance the SMs, at the cost of
+    writing each part's dK and dV in float32 and summing them.
+
+    Measured on an H100 (2026-11-24, bf16, graph replays, one process;
+    benchmarks/results/bwd_head_splits.md), this default against the one before it (no splits,
+    64 keys at D = 64 up to two blocks an SM): causal D128 3.21× at H32/Hkv4 S2048 (64 blocks,
+    8 splits), 1.35× at B2 H32/Hkv8 S1024 (128, 4), 1.15× at H32/Hkv8 S4096 (256, 4), 1.09× at
+    H64/Hkv8 S8192 (512, 2); causal D64 1.47× at H16/Hkv2 S4096, 1.22× at H32/Hkv4 S2048, 1.17×
+    at H64/Hkv8 S2048, 1.14× at H32/Hkv8 S4096; full walks D128 2.37× at H32/Hkv4 S2048 (64,
+    8). Splits lost on full walks over 128 blocks (0.93-0.98× at H32/Hkv4 S4096 D128, so kept
+    at 1 there), on windows (0.56-0.81×, window 128, 64 to 512 blocks) and were level at B2
+    H32/Hkv8 S2048 D64 causal (0.99× against 64 keys unsplit)."""
+    blocks = (seq_k + block_M - 1) // block_M * heads_kv * batch
+    if windowed or not (causal or blocks <= num_sms // 2):
+        return 1
+    fits = [n for n in (2, 4, 8) if groups % n == 0 and blocks * n <= 8 * num_sms]
+    return max(fits, default=1)
 
 
 def tune_configs(dim):
     """The space ``--tune`` compares: queries a step, one or two dQ tiles (80 queries leave
     shared memory for one)."""
     if dim <= 64:
-        return [dict(block_M=128, block_N=128, num_stages=2, dq_stages=n) for n in (1, 2)]
+        return [
+            dict(block_M=128, block_N=128, num_stages=2, dq_stages=n, head_splits=1) for n in (1, 2)
+        ]
     return [
-        dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n)
+        dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n, head_splits=1)
         for bn, n in ((64, 1), (64, 2), (80, 1))
     ]
 
@@ -1442,7 +1493,7 @@ def run_backward(
     cfg = config
     if not cfg:  # the default, for this grid
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = (B, Hkv, Sk, window[0] >= 0, num_sms)
+        grid = Grid(B, Hkv, H // Hkv, Sk, causal, window[0] >= 0, num_sms)
         cfg = default_config(D, fwd.device_arch(q.device), grid)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
@@ -1551,7 +1602,7 @@ def run_backward_varlen(
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
 # example_mha_bwd_bshd.py: the forward operator's autograd formula saves q, k, v, out, lse and
 # calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages", "head_splits")
 
 
 @torch.library.custom_op("tl_attn::mha_bwd_wgmma_pipelined_forward", mutates_args=())
@@ -1617,6 +1668,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
+    if config:
+        config = {"head_splits": 1, **config}  # a given config need not name it (MHA: 1)
     tiles = [config[key] for key in CONFIG_KEYS] if config else None
     out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale), tiles)
     return out
