@@ -1,10 +1,11 @@
 """Small ragged causal forwards + backwards of the hand-scheduled kernels — MHA, GQA
-(example_gqa_bwd.py's group strategy, four query heads a kv head; each also with a single key
-block and Sq > Sk), attention sinks with a
-window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges, key blocks no query
-reaches) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen
-forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and partial blocks) — for
-compute-sanitizer (not collected by pytest). On an H100, from the repository root:
+(example_gqa_bwd.py's group strategy, four query heads a kv head, shared out over four thread
+blocks a key block by the small-grid default; each also with a single key block and Sq > Sk),
+attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, both window
+edges, key blocks no query reaches) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
+the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
+partial blocks) — for compute-sanitizer (not collected by pytest). On an H100, from the
+repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py

@@ -153,8 +153,9 @@ VARLEN_LEADING = {
     "attention_forward": [*VARLEN_ARGS[:6], "causal", "softmax_scale"],
     "attention_backward": ["dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"],
 }
-# Grid axes: the name each T.Kernel dimension is bound to, by what it counts.
-GRID_NAMES = {"heads": "by", "heads_kv": "by", "batch": "bz"}  # anything else: bx, the block
+# Grid axes: the name each T.Kernel dimension is bound to, by what it counts (anything else: bx,
+# the block; heads_kv * head_splits: the kv heads, each in parts).
+GRID_NAMES = {"heads": "by", "heads_kv": "by", "heads_kv * head_splits": "by", "batch": "bz"}
 RETIRED_NAMES = {"loop_st", "loop_ed", "q_first", "_dtype_name", "_forward", "_backward"}
 
 

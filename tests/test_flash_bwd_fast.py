@@ -150,6 +150,33 @@ def test_one_consumer_warpgroup_builds_clean(causal):
     assert "__launch_bounds__(256" in kernel.get_kernel_source()
 
 
+@pytest.mark.parametrize("dim,block_M,causal", [(64, 64, True), (128, 128, False)])
+def test_head_splits_build_clean_and_write_float32_parts(dim, block_M, causal):
+    """head_splits = 2 (a group of 8 over two thread blocks a key block): clean build, the grid
+    twice as tall, dK and dV float32 parts with the part's offset from the grid row."""
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(dim), block_M=block_M, head_splits=2)
+    args = (1, 32, 2048, 2048, dim, causal, dim**-0.5, "bfloat16")
+    kernel = harness_compile(mod, *args, groups=8, **cfg)
+    assert_clean_build(kernel, block_M * 2 + 128, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+    src = kernel.get_kernel_source()
+    assert "float* __restrict__ dK" in src and "float* __restrict__ dV" in src
+    assert "(((int)blockIdx.y) & 1) * " in src  # the part: the grid row's low bit
+
+
+@pytest.mark.parametrize("kw", [dict(groups=8, head_splits=3), dict(groups=1, head_splits=2)])
+def test_head_splits_must_divide_the_group(kw):
+    mod = load_script(FAST)
+    with pytest.raises(ValueError, match="head_splits"):
+        harness_compile(mod, 1, 8, 1024, 1024, 128, False, 0.1, "bfloat16", **kw)
+
+
+def harness_compile(mod, *args, **kw):
+    import harness
+
+    return harness.compile_for(mod.flash_bwd, "sm_90a", *args, **kw)
+
+
 @pytest.mark.parametrize("dim,block_M", [(128, 64), (64, 32), (64, 192)])
 def test_block_M_outside_the_built_forms_raises(dim, block_M):
     """At D = 128 one warpgroup would serialize its WGMMAs (too few registers): refused."""
@@ -160,21 +187,50 @@ def test_block_M_outside_the_built_forms_raises(dim, block_M):
 
 @pytest.mark.parametrize(
     "grid,block_M",
-    [  # (batch, kv heads, Sk, window bounded on the left, SMs)
-        ((1, 4, 2048, False, 132), 64),  # 64 thread blocks of 128 keys
-        ((1, 8, 4096, False, 132), 64),  # 256: two an SM
-        ((2, 8, 4096, False, 132), 128),  # 512: the GPU is full
-        ((1, 8, 4096, False, 100), 128),  # 256 on fewer SMs
-        ((1, 2, 4096, True, 132), 64),  # a window, 64 blocks: SMs left idle
-        ((1, 8, 2048, True, 132), 128),  # a window, 128 blocks
+    [  # (batch, kv heads, groups, Sk, causal, window bounded on the left, SMs)
+        ((1, 4, 1, 2048, False, False, 132), 64),  # 64 thread blocks of 128 keys
+        ((1, 4, 8, 2048, True, False, 132), 64),
+        ((1, 8, 1, 4096, True, False, 132), 64),  # 256, one head's causal walks
+        ((1, 8, 1, 4096, False, False, 132), 64),  # 256 full walks of one head
+        ((1, 8, 4, 4096, False, False, 132), 128),  # 256 full walks of a group
+        ((1, 8, 4, 4096, True, False, 132), 128),  # 256, GQA: head splits instead
+        ((2, 8, 1, 4096, True, False, 132), 128),  # 512: the GPU is full
+        ((1, 8, 1, 4096, True, False, 100), 128),  # 256 on fewer SMs
+        ((1, 2, 8, 4096, False, True, 132), 64),  # a window, 64 blocks: SMs left idle
+        ((1, 8, 8, 2048, False, True, 132), 128),  # a window, 128 blocks
     ],
 )
 def test_small_grid_takes_64_keys_a_thread_block(grid, block_M):
     """default_config's shape-aware choice (``small_grid``), at D = 64 only."""
     mod = load_script(FAST)
+    grid = mod.Grid(*grid)
     assert mod.default_config(64, "sm_90a", grid)["block_M"] == block_M
     assert mod.default_config(128, "sm_90a", grid)["block_M"] == 128
     assert mod.default_config(64, "sm_90a")["block_M"] == 128
+
+
+@pytest.mark.parametrize(
+    "dim,grid,splits",
+    [  # (batch, kv heads, groups, Sk, causal, window bounded on the left, SMs)
+        (128, (1, 4, 8, 2048, True, False, 132), 8),  # 64 thread blocks
+        (128, (1, 8, 4, 4096, True, False, 132), 4),  # 256
+        (128, (1, 8, 4, 8192, True, False, 132), 2),  # 512
+        (128, (2, 8, 4, 8192, True, False, 132), 1),  # 1024: eight an SM already
+        (128, (1, 8, 6, 4096, True, False, 132), 2),  # 4 does not divide 6
+        (128, (1, 4, 8, 2048, False, False, 132), 8),  # full walks on half the SMs
+        (128, (1, 4, 8, 4096, False, False, 132), 1),  # full walks on 128 of 132 SMs
+        (128, (1, 8, 8, 8192, False, True, 132), 1),  # a window
+        (128, (1, 8, 1, 2048, True, False, 132), 1),  # MHA: one head a group
+        (64, (1, 4, 8, 2048, True, False, 132), 8),  # 128 thread blocks of 64 keys
+        (64, (1, 8, 8, 2048, True, False, 132), 8),  # 128 of 128 keys
+        (64, (1, 8, 4, 4096, False, False, 132), 1),
+    ],
+)
+def test_small_gqa_grids_split_the_group_heads(dim, grid, splits):
+    """default_config's ``head_splits`` (``grid_head_splits``); none without a grid."""
+    mod = load_script(FAST)
+    assert mod.default_config(dim, "sm_90a", mod.Grid(*grid))["head_splits"] == splits
+    assert mod.default_config(dim, "sm_90a")["head_splits"] == 1
 
 
 def test_tune_space_fits_shared_memory():

@@ -59,8 +59,10 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     strategy: "group", "atomic" or "split". How a group's dK/dV are summed (above); default
         ``default_strategy`` (group where it builds, else atomic).
     config: dict. Backward tile configuration for that strategy (group: block_M, block_N,
-        num_stages, dq_stages; atomic, split: block_M, block_N, num_stages, threads); default
-        ``default_config``.
+        num_stages, dq_stages and optionally head_splits; atomic, split: block_M, block_N,
+        num_stages, threads); default ``default_config``, which for group also fits the tiles
+        and head_splits to the grid (small grids: 64 keys a thread block at D64, a group's
+        heads shared out over thread blocks).
     Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
 Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_bwd_forward``
@@ -694,7 +696,7 @@ def attention_backward(
 # keys depend on the strategy, so CONFIG_KEYS holds one order per strategy; "group" runs
 # example_mha_bwd_wgmma_pipelined.py's plain attention_backward inside this script's operator.
 CONFIG_KEYS = {
-    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages
+    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages, head_splits
     "atomic": ("block_M", "block_N", "num_stages", "threads"),
     "split": ("block_M", "block_N", "num_stages", "threads"),
 }
@@ -772,6 +774,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, strategy=None, config=N
     if strategy is None:
         strategy = default_strategy(q.shape[-1], v.shape[-1], device_arch(q.device))
     q, k, v = (t.contiguous() for t in (q, k, v))
+    if config and strategy == "group":
+        config = {"head_splits": 1, **config}  # a given config need not split heads
     tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
     out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale), strategy, tiles)
     return out

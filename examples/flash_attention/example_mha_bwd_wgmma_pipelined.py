@@ -77,7 +77,11 @@ longest walk sooner.
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
-so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way.
+so the group's dK and dV are summed in registers. example_gqa_bwd.py runs it that way. On a
+grid too small to fill the GPU the group's heads are shared out over ``head_splits`` thread
+blocks a key block instead (``grid_head_splits``): each writes its part of dK and dV in float32
+and the parts are summed after the kernel, which costs less than SMs left idle or a causal
+grid's longest walk.
 
 Packed (varlen) batches — ``[total, H, D]`` tensors with ``cu_seqlens`` — need no second
 schedule either: with ``layout="thd"`` the three kernels read each sequence's offsets and lengths
@@ -573,6 +577,7 @@ def flash_bwd(
     key_stride=1,
     first_store=False,
     ordered_store=False,
+    head_splits=1,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -611,6 +616,11 @@ def flash_bwd(
     reduce-add would be); otherwise, with p > 1, it takes the remaining key blocks and adds, after
     the first launch (stream order). With p = 1 and no ``first_store``: every key block, adding.
 
+    ``head_splits`` (dense layouts, a divisor of ``groups``): the group's query heads are
+    shared out over that many thread blocks a key block, each walking ``groups // head_splits``
+    of them, for grids too small to fill the GPU. Each part's dK and dV leave in float32 to
+    ``dK``, ``dV`` of shape ``[head_splits] + [kv shape]``, summed after the kernel.
+
     ``ordered_store`` (dense layouts, one launch; ``ordered_store_pays`` says when): the kernel
     takes one more argument, ``Ready``, int32 ``[B, H, query blocks]``, zeroed. Each key block
     walks every head's query blocks last to first; it stores the tiles from
@@ -632,6 +642,8 @@ def flash_bwd(
     skip_idle = left >= 0 and dim >= 128
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
+    if head_splits > 1 and (packed or groups % head_splits):
+        raise ValueError(f"head_splits ({head_splits}) must divide groups ({groups}), dense only")
     if block_M not in (64, 128) or (block_M == 64 and dim > 64):
         # One warpgroup holding dK, dV and both dQᵀ parts of a D = 128 step runs out of
         # registers: ptxas serializes its WGMMAs.
@@ -658,23 +670,27 @@ def flash_bwd(
     def alloc_dq():
         return tuple(T.alloc_fragment([dq_rows, dq_cols], accum_dtype) for _ in dq_parts(0))
 
+    # head_splits: the group's query heads are shared out over that many thread blocks a key
+    # block, each walking ``walked`` of them (grid row ``by`` = kv head · head_splits + part).
+    walked = groups // head_splits
+
     def step_count(n_blocks):
-        """Steps of a thread block: ``n_blocks`` query blocks for each head of its group."""
-        return n_blocks if groups == 1 else groups * n_blocks
+        """Steps of a thread block: ``n_blocks`` query blocks for each head it walks."""
+        return n_blocks if walked == 1 else walked * n_blocks
 
     def step_coords(by, q_start, n_blocks, i):
-        """(query head, query block) of step ``i``: the group's heads one after the other.
+        """(query head, query block) of step ``i``: the walked heads one after the other.
         ``ordered_store``: each head's query blocks last to first, so that the tiles this key
         block stores (the highest of its range) come before the ones it adds into."""
         if ordered_store:
             n = T.max(n_blocks, 1)
-            return by * groups + i // n, q_start + n_blocks - 1 - i % n
-        if groups == 1:
+            return by * walked + i // n, q_start + n_blocks - 1 - i % n
+        if walked == 1:
             return by, q_start + i
         # No step runs when n_blocks is 0, but TVM may fold the division where it is in the
         # second launch of a window's key blocks (key_stride): there, divide by at least 1.
         n = T.max(n_blocks, 1) if key_stride > 1 else n_blocks
-        return by * groups + i // n, q_start + i % n
+        return by * walked + i // n, q_start + i % n
 
     # The loop's compute steps, named. T.macro is inlined: the generated CUDA is the same as
     # with the steps written out. Each GEMM step (scores, dp, dv_update, dq_gemm, dk_update)
@@ -889,12 +905,30 @@ def flash_bwd(
         T.barrier_arrive(dq_full[slot])
 
     @T.macro
+    def epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV):
+        r0 = wg * wg_keys
+        # Epilogue through shared memory: from registers each thread holds pairs of 16-bit
+        # values scattered over rows, which would fill half of every 32-byte sector it writes;
+        # staged in K and V's buffers, the rows leave as 16-byte vectors. V's rows are this
+        # warpgroup's alone; K's are free once both warpgroups' last dQ GEMM (it reads every
+        # row of K) is done, which the named barrier says. Keys past Sk (packed: the next
+        # sequence's) are not written.
+        T.copy(dv, V_shared[r0 : r0 + wg_keys, :])
+        T.sync_threads(DS_READY, consumers)
+        T.copy(dk, K_shared[r0 : r0 + wg_keys, :])
+        T.sync_threads(EPILOGUE + wg, 128)  # this warpgroup's rows are all in shared memory
+        for r, c in T.Parallel(wg_keys, dim):
+            if first_key + r < seq.kv_len:
+                at = seq_index(layout, seq.k_row, by, first_key + r, c)
+                dV[at] = V_shared[r0 + r, c]
+                dK[at] = K_shared[r0 + r, c]
+
+    @T.macro
     def consumer_warpgroup(wg, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV):
         # Consumer warpgroup wg: keys wg·64 … wg·64+63 of the block. Each warpgroup is its own
         # code path, so every shared-memory offset in its WGMMA descriptors is a constant.
         # ``shared`` and ``barriers``: thread_block's buffers and mbarriers, in its order.
         K_shared, V_shared, kv_full = shared[0], shared[1], barriers[0]
-        r0 = wg * wg_keys  # first row of K, V and dSᵀ (in the block) this warpgroup owns
         acc_s = T.alloc_fragment([wg_keys, block_N], accum_dtype)
         acc_dp = T.alloc_fragment([wg_keys, block_N], accum_dtype)
         acc_s_cast = T.alloc_fragment([wg_keys, block_N], dtype)
@@ -923,22 +957,18 @@ def flash_bwd(
                 step(wg, i, k, bx, seq, shared, barriers, frags)
         for r, c in T.Parallel(wg_keys, dim):
             dk[r, c] = dk[r, c] * softmax_scale
-        # Epilogue through shared memory: from registers each thread holds pairs of 16-bit
-        # values scattered over rows, which would fill half of every 32-byte sector it writes;
-        # staged in K and V's buffers, the rows leave as 16-byte vectors. V's rows are this
-        # warpgroup's alone; K's are free once both warpgroups' last dQ GEMM (it reads every
-        # row of K) is done, which the named barrier says. Keys past Sk (packed: the next
-        # sequence's) are not written.
-        T.copy(dv, V_shared[r0 : r0 + wg_keys, :])
-        T.sync_threads(DS_READY, consumers)
-        T.copy(dk, K_shared[r0 : r0 + wg_keys, :])
-        T.sync_threads(EPILOGUE + wg, 128)  # this warpgroup's rows are all in shared memory
         first_key = bx * block_M + wg * wg_keys
-        for r, c in T.Parallel(wg_keys, dim):
-            if first_key + r < seq.kv_len:
-                at = seq_index(layout, seq.k_row, by, first_key + r, c)
-                dV[at] = V_shared[r0 + r, c]
-                dK[at] = K_shared[r0 + r, c]
+        if head_splits > 1:
+            # This part of the group's dK and dV, in float32 (summed over the parts after the
+            # kernel), straight from registers: a small grid's epilogue is short.
+            part, kv = by % head_splits, by // head_splits
+            for r, c in T.Parallel(wg_keys, dim):
+                if first_key + r < seq.kv_len:
+                    at = seq_index(layout, seq.k_row, kv, first_key + r, c)
+                    dV[(part, *at)] = dv[r, c]
+                    dK[(part, *at)] = dk[r, c]
+        else:
+            epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV)
 
     @T.macro
     def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
@@ -974,7 +1004,7 @@ def flash_bwd(
                 # Warp 0: K, V once; then Q (+ lse2) and dO (+ delta) for every step.
                 # Keys past Sk and queries past Sq read as zeros (TMA fills out of bounds;
                 # packed: the next sequence's rows, then zeros past the last one).
-                kv_rows = (seq.k_row, by, bx * block_M, block_M)
+                kv_rows = (seq.k_row, by // head_splits, bx * block_M, block_M)
                 T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
                 T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
                 T.barrier_arrive(kv_full)
@@ -1108,6 +1138,9 @@ def flash_bwd(
 
         return flash_bwd_varlen
 
+    # head_splits > 1: each part's float32 dK and dV, [head_splits] + the kv shape
+    dkv_shape = kv_shape if head_splits == 1 else [head_splits, *kv_shape]
+    dkv_dtype = dtype if head_splits == 1 else accum_dtype
     n_key_blocks = (seq_kv + block_M - 1) // block_M
     n_stored = (n_key_blocks + key_stride - 1) // key_stride  # key blocks 0, p, 2p, …
     grid_x = n_stored if first_store or key_stride == 1 else n_key_blocks - n_stored
@@ -1128,10 +1161,14 @@ def flash_bwd(
             Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
             dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
             Ready: T.Tensor([batch, heads, seq_q_pad // block_N], "int32"),
-            dK: T.Tensor(kv_shape, dtype),
-            dV: T.Tensor(kv_shape, dtype),
+            dK: T.Tensor(dkv_shape, dkv_dtype),
+            dV: T.Tensor(dkv_shape, dkv_dtype),
         ):
-            with T.Kernel(n_key_blocks, heads_kv, batch, threads=threads) as (bx, by, bz):
+            with T.Kernel(n_key_blocks, heads_kv * head_splits, batch, threads=threads) as (
+                bx,
+                by,
+                bz,
+            ):
                 T.import_source(READY_FLAGS_SOURCE)
                 thread_block(bx, by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, Ready)
 
@@ -1154,10 +1191,10 @@ def flash_bwd(
         lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
         dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
-        dK: T.Tensor(kv_shape, dtype),
-        dV: T.Tensor(kv_shape, dtype),
+        dK: T.Tensor(dkv_shape, dkv_dtype),
+        dV: T.Tensor(dkv_shape, dkv_dtype),
     ):
-        with T.Kernel(grid_x, heads_kv, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(grid_x, heads_kv * head_splits, batch, threads=threads) as (bx, by, bz):
             thread_block(key_block(bx), by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
 
     return flash_bwd
@@ -1247,8 +1284,9 @@ def default_config(dim, arch="sm_90a", grid=None):
     for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
     in shared memory.
 
-    ``grid = (batch, heads_kv, seq_k, windowed, num_sms)``, where the caller knows the shape:
-    a grid too small to fill the GPU takes 64 keys a thread block (``small_grid``).
+    ``grid`` (a ``Grid``), where the caller knows the shape: a grid too small to fill the GPU
+    takes 64 keys a thread block (``small_grid``) and shares a GQA group's heads out over
+    ``head_splits`` thread blocks a key block (``grid_head_splits``).
 
     Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
     process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
@@ -1307,34 +1345,81 @@ def default_config(dim, arch="sm_90a", grid=None):
             "for Blackwell see examples/flash_attention_sm100/"
         )
     block_M = 64 if grid is not None and small_grid(dim, *grid) else 128
-    return dict(block_M=block_M, block_N=128 if dim <= 64 else 64, num_stages=2, dq_stages=1)
+    splits = 1 if grid is None else grid_head_splits(block_M, *grid)
+    block_N = 128 if dim <= 64 else 64
+    return dict(block_M=block_M, block_N=block_N, num_stages=2, dq_stages=1, head_splits=splits)
 
 
-def small_grid(dim, batch, heads_kv, seq_k, windowed, num_sms):
+class Grid(typing.NamedTuple):
+    """What the default config needs of a dense backward's shape: its kv heads' thread blocks
+    (``batch``, ``heads_kv``, ``seq_k``), the query heads each walks (``groups``), whether its
+    walks are triangles (``causal``) or a window's band (``windowed``: bounded on the left),
+    and the GPU's SMs."""
+
+    batch: int
+    heads_kv: int
+    groups: int
+    seq_k: int
+    causal: bool
+    windowed: bool
+    num_sms: int
+
+
+def small_grid(dim, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
     """Whether the backward takes 64 keys a thread block instead of 128 (one consumer
-    warpgroup): at D = 64 when the grid of 128-key blocks is at most two per SM, or, for a
-    window bounded on the left (``windowed``), at most half the SMs. Without a left bound a
-    thread block's walk is long against the number of blocks (causal key block 0 walks every
-    query block, of every head of its group), and with twice the blocks, each step half as
-    long, the longest walk ends sooner; a window's walks are a few query blocks, so there only
-    SMs left idle are worth filling. Measured on an H100 (2026-11-24, bf16, graph replays of the
-    backward, one process; benchmarks/results/bwd_small_grid.md): 1.34× at B1 H8 S1024 (64
-    blocks), 2.3-2.9× for GQA at B1-2 S2048 (64), 1.64× at H16/Hkv2 S4096 causal (64), 1.91× at
-    H64/Hkv8 S2048 causal (128), 1.07× at H32/Hkv8 S4096 causal (256); 0.83-0.91× at 1024
-    blocks and more. Windows: 1.17× at window 128 and 1.53× at (64, 64) with 64 blocks,
-    0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024 with 256. D = 128 keeps
-    128 keys (one warpgroup there runs out of registers)."""
+    warpgroup), at D = 64: when the grid of 128-key blocks is at most half the SMs, or, for
+    one head a group (MHA) without a window bound on the left, at most two per SM. Twice the
+    thread blocks, each step half as long, end the longest walk sooner; a GQA grid above half
+    the SMs does better with 128 keys and its heads split (``grid_head_splits``), and a
+    window's walks are a few query blocks, so there only SMs left idle are worth filling.
+    D = 128 keeps 128 keys (one warpgroup there runs out of registers).
+
+    Measured on an H100 (2026-11-24, bf16, graph replays of the backward, one process;
+    benchmarks/results/bwd_small_grid.md, bwd_head_splits.md), 64 keys against 128: MHA 1.34×
+    at B1 H8 S1024 (64 blocks), 1.31× at B1 H8 S2048 (128), 1.10× at B1 H16 S2048 (256), level
+    at B1 H16 S1024 (128); GQA 2.3-2.9× at B1-2 S2048 (64), 1.91× at H64/Hkv8 S2048 causal
+    (128), where 128 keys with 8 head splits is 1.17× faster still, and 0.79× at H32/Hkv8
+    S4096 (256); 0.83-0.91× at 1024 blocks and more. Windows: 1.17× at window 128 and 1.53× at
+    (64, 64) with 64 blocks, 0.82× at window 128 with 128 and 256 blocks, 0.69× at window 1024
+    with 256."""
     blocks = (seq_k + 127) // 128 * heads_kv * batch
-    return dim == 64 and blocks <= (num_sms // 2 if windowed else 2 * num_sms)
+    if dim != 64:
+        return False
+    return blocks <= (2 * num_sms if groups == 1 and not windowed else num_sms // 2)
+
+
+def grid_head_splits(block_M, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
+    """``head_splits`` for a dense GQA grid: the most (2, 4 or 8, dividing ``groups``) that
+    keep the thread blocks at most eight an SM, for causal walks, or for full walks on a grid of
+    at most half the SMs; 1 for windows and for larger full grids. A causal grid's first key
+    blocks walk longest; shorter walks on more thread blocks balance the SMs, at the cost of
+    writing each part's dK and dV in float32 and summing them.
+
+    Measured on an H100 (2026-11-24, bf16, graph replays, one process;
+    benchmarks/results/bwd_head_splits.md), this default against the one before it (no splits,
+    64 keys at D = 64 up to two blocks an SM): causal D128 3.21× at H32/Hkv4 S2048 (64 blocks,
+    8 splits), 1.35× at B2 H32/Hkv8 S1024 (128, 4), 1.15× at H32/Hkv8 S4096 (256, 4), 1.09× at
+    H64/Hkv8 S8192 (512, 2); causal D64 1.47× at H16/Hkv2 S4096, 1.22× at H32/Hkv4 S2048, 1.17×
+    at H64/Hkv8 S2048, 1.14× at H32/Hkv8 S4096; full walks D128 2.37× at H32/Hkv4 S2048 (64,
+    8). Splits lost on full walks over 128 blocks (0.93-0.98× at H32/Hkv4 S4096 D128, so kept
+    at 1 there), on windows (0.56-0.81×, window 128, 64 to 512 blocks) and were level at B2
+    H32/Hkv8 S2048 D64 causal (0.99× against 64 keys unsplit)."""
+    blocks = (seq_k + block_M - 1) // block_M * heads_kv * batch
+    if windowed or not (causal or blocks <= num_sms // 2):
+        return 1
+    fits = [n for n in (2, 4, 8) if groups % n == 0 and blocks * n <= 8 * num_sms]
+    return max(fits, default=1)
 
 
 def tune_configs(dim):
     """The space ``--tune`` compares: queries a step, one or two dQ tiles (80 queries leave
     shared memory for one)."""
     if dim <= 64:
-        return [dict(block_M=128, block_N=128, num_stages=2, dq_stages=n) for n in (1, 2)]
+        return [
+            dict(block_M=128, block_N=128, num_stages=2, dq_stages=n, head_splits=1) for n in (1, 2)
+        ]
     return [
-        dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n)
+        dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n, head_splits=1)
         for bn, n in ((64, 1), (64, 2), (80, 1))
     ]
 
@@ -1408,7 +1493,7 @@ def run_backward(
     cfg = config
     if not cfg:  # the default, for this grid
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = (B, Hkv, Sk, window[0] >= 0, num_sms)
+        grid = Grid(B, Hkv, H // Hkv, Sk, causal, window[0] >= 0, num_sms)
         cfg = default_config(D, fwd.device_arch(q.device), grid)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
@@ -1419,6 +1504,10 @@ def run_backward(
     n_blocks = seq_q_pad // cfg["block_N"]
     dq_accum = torch.empty(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
     dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+    splits = cfg.get("head_splits", 1)
+    if splits > 1:  # each part's float32 dK, dV; summed below
+        dk = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
     kernels = backward_kernels(
         Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout
     )
@@ -1436,6 +1525,8 @@ def run_backward(
         if name in kernels:
             factory, args, kw = kernels[name]
             factory(B, H, *args, **kw)(*tensors)
+    if splits > 1:
+        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
     return dq, dk, dv, delta
 
 
@@ -1511,7 +1602,7 @@ def run_backward_varlen(
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
 # example_mha_bwd_bshd.py: the forward operator's autograd formula saves q, k, v, out, lse and
 # calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages", "head_splits")
 
 
 @torch.library.custom_op("tl_attn::mha_bwd_wgmma_pipelined_forward", mutates_args=())
@@ -1577,6 +1668,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
+    if config:
+        config = {"head_splits": 1, **config}  # a given config need not name it (MHA: 1)
     tiles = [config[key] for key in CONFIG_KEYS] if config else None
     out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale), tiles)
     return out
