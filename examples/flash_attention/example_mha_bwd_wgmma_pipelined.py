@@ -1318,7 +1318,8 @@ def flash_bwd_post_kv(
 def default_config(dim, arch="sm_90a", grid=None):
     """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64, or one
     for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
-    in shared memory.
+    in shared memory, ``head_splits`` thread blocks sharing a GQA group's query heads (1: one
+    walks them all).
 
     ``grid`` (a ``Grid``), where the caller knows the shape: a grid too small to fill the GPU
     takes 64 keys a thread block (``small_grid``) and shares a GQA group's heads out over
