@@ -164,6 +164,25 @@ def test_head_splits_build_clean_and_write_float32_parts(dim, block_M, causal):
     assert "(((int)blockIdx.y) & 1) * " in src  # the part: the grid row's low bit
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_head_split_parts_are_summed_in_one_launch(layout, splits):
+    """With head_splits the backward adds flash_bwd_post_kv, which sums the float32 dK and dV
+    parts and casts them in one launch (ragged Sk: the last rows under a bounds test); without,
+    it has no such kernel."""
+    import harness
+
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(64), head_splits=splits)
+    kernels = mod.backward_kernels(300, 1000, 64, True, 0.125, "bfloat16", cfg, 8, (-1, -1), layout)
+    assert ("flash_bwd_post_kv" in kernels) == (splits > 1)
+    if splits > 1:
+        factory, args, kw = kernels["flash_bwd_post_kv"]
+        src = harness.compile_for(factory, "sm_90a", 2, 16, *args, **kw).get_kernel_source()
+        assert "const float* __restrict__ dK_parts" in src and "bfloat16_t* __restrict__ dV" in src
+        assert "float4" in src and "< 125" in src  # 16-byte loads; 1000 keys = 125 × 8 rows
+
+
 @pytest.mark.parametrize("kw", [dict(groups=8, head_splits=3), dict(groups=1, head_splits=2)])
 def test_head_splits_must_divide_the_group(kw):
     mod = load_script(FAST)

@@ -1278,6 +1278,42 @@ def flash_bwd_post(
     return flash_bwd_post
 
 
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flash_bwd_post_kv(
+    batch, heads, seq_kv, dim, groups, splits, dtype="float16", block=64, layout="bshd"
+):
+    """dK and dV of a backward with ``head_splits``: each the sum, in float32, of its
+    ``splits`` float32 parts (``[splits] + kv shape``), cast once. One launch for both."""
+    accum_dtype = "float32"
+    heads_kv = heads // groups
+    kv_shape = layout_shape(layout, batch, seq_kv, heads_kv, dim)
+
+    @T.macro
+    def sum_parts(parts, dX, bx, by, bz):
+        part = T.alloc_fragment([block, dim], accum_dtype)
+        acc = T.alloc_fragment([block, dim], accum_dtype)
+        T.clear(acc)
+        rows = seq_index(layout, bz, by, slice(bx * block, (bx + 1) * block), slice(None))
+        for s in T.serial(splits):
+            T.copy(parts[(s, *rows)], part)
+            for i, d in T.Parallel(block, dim):
+                acc[i, d] += part[i, d]
+        T.copy(acc, seq_rows(dX, layout, bz, by, bx * block, block))
+
+    @T.prim_func
+    def flash_bwd_post_kv(
+        dK_parts: T.Tensor([splits, *kv_shape], accum_dtype),
+        dV_parts: T.Tensor([splits, *kv_shape], accum_dtype),
+        dK: T.Tensor(kv_shape, dtype),
+        dV: T.Tensor(kv_shape, dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, block), heads_kv, batch, threads=128) as (bx, by, bz):
+            sum_parts(dK_parts, dK, bx, by, bz)
+            sum_parts(dV_parts, dV, bx, by, bz)
+
+    return flash_bwd_post_kv
+
+
 # ----------------------------------------------------------------------------- configurations
 def default_config(dim, arch="sm_90a", grid=None):
     """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64, or one
@@ -1506,9 +1542,11 @@ def run_backward(
     dq_accum = torch.empty(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
     dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
     splits = cfg.get("head_splits", 1)
-    if splits > 1:  # each part's float32 dK, dV; summed below
-        dk = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
+    dk_parts = dv_parts = None
+    if splits > 1:  # each part's float32 dK, dV, which flash_bwd_post_kv sums into dk, dv
+        dk_parts = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
+        dv_parts = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
+    dk_out, dv_out = (dk, dv) if splits == 1 else (dk_parts, dv_parts)  # the kernel's
     kernels = backward_kernels(
         Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout
     )
@@ -1517,17 +1555,16 @@ def run_backward(
         ready = torch.zeros(B, H, n_blocks, dtype=torch.int32, device=q.device)
     launches = {
         "flash_bwd_prep": (out, dout, lse, delta, lse2, dq_accum.view(B, H, -1)),
-        "flash_bwd_ordered": (q, k, v, dout, lse2, delta, dq_accum, ready, dk, dv),
-        "flash_bwd_store": (q, k, v, dout, lse2, delta, dq_accum, dk, dv),
-        "flash_bwd": (q, k, v, dout, lse2, delta, dq_accum, dk, dv),
+        "flash_bwd_ordered": (q, k, v, dout, lse2, delta, dq_accum, ready, dk_out, dv_out),
+        "flash_bwd_store": (q, k, v, dout, lse2, delta, dq_accum, dk_out, dv_out),
+        "flash_bwd": (q, k, v, dout, lse2, delta, dq_accum, dk_out, dv_out),
         "flash_bwd_post": (dq_accum, dq),
+        "flash_bwd_post_kv": (dk_parts, dv_parts, dk, dv),
     }
     for name, tensors in launches.items():  # in this order; flash_bwd_store only if chosen
         if name in kernels:
             factory, args, kw = kernels[name]
             factory(B, H, *args, **kw)(*tensors)
-    if splits > 1:
-        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
     return dq, dk, dv, delta
 
 
@@ -1810,6 +1847,10 @@ def backward_kernels(
         (seq_q, seq_q_pad, dim, softmax_scale, dtype),
         {"block": config["block_N"], "layout": layout},
     )
+    splits = config.get("head_splits", 1)
+    if splits > 1:  # the float32 dK, dV parts, summed
+        post_kv_args = (seq_k, dim, groups, splits, dtype)
+        kernels["flash_bwd_post_kv"] = (flash_bwd_post_kv, post_kv_args, {"layout": layout})
     return kernels
 
 
