@@ -159,17 +159,23 @@ GRID_NAMES = {"heads": "by", "heads_kv": "by", "heads_kv * head_splits": "by", "
 RETIRED_NAMES = {"loop_st", "loop_ed", "q_first", "_dtype_name", "_forward", "_backward"}
 
 
-@pytest.mark.parametrize("script", BACKWARD_SCRIPTS)
-def test_autograd_class_and_helpers_have_one_name(script):
-    """One autograd mechanism: the formula registered on the script's custom operator
-    (docs/CONVENTIONS.md, "torch.compile"), no torch.autograd.Function."""
-    mod = load_script(script)
-    functions = [
+def autograd_functions(mod):
+    """The names of the torch.autograd.Function classes a script defines."""
+    return [
         name
         for name, value in vars(mod).items()
         if isinstance(value, type) and issubclass(value, torch.autograd.Function)
     ]
-    assert functions == [] and script in CUSTOM_OP_SCRIPTS
+
+
+@pytest.mark.parametrize("script", BACKWARD_SCRIPTS)
+def test_autograd_class_and_helpers_have_one_name(script):
+    """One autograd formula: the one registered on the script's custom operator
+    (docs/CONVENTIONS.md, "torch.compile"), and beside it one torch.autograd.Function,
+    EagerAttention, for eager calls ("Eager calls"), whose setup_context is that formula's."""
+    mod = load_script(script)
+    assert autograd_functions(mod) == ["EagerAttention"] and script in CUSTOM_OP_SCRIPTS
+    assert mod.EagerAttention.setup_context is mod.setup_context
     leading = VARLEN_LEADING if "varlen" in script else DENSE_LEADING
     for helper, names in leading.items():
         params = list(inspect.signature(getattr(mod, helper)).parameters)
@@ -200,13 +206,9 @@ def test_custom_operators_are_named_for_their_script(script):
     """docs/CONVENTIONS.md, "torch.compile": attention_forward_op is tl_attn::<script name
     without example_> (an SM100 script's with sm100_ in front), suffixed _forward in a
     differentiable script, whose attention_backward_op is ..._backward; no other operator, and
-    no torch.autograd.Function beside them (one autograd mechanism)."""
+    no torch.autograd.Function but a differentiable script's EagerAttention."""
     mod = load_script(script)
-    assert not [
-        name
-        for name, value in vars(mod).items()
-        if isinstance(value, type) and issubclass(value, torch.autograd.Function)
-    ]
+    assert autograd_functions(mod) == (["EagerAttention"] if "bwd" in script else [])
     name = os.path.basename(script).removesuffix(".py").removeprefix("example_")
     name = "tl_attn::" + ("sm100_" if script.startswith("flash_attention_sm100/") else "") + name
     ops = {

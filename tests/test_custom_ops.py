@@ -996,6 +996,41 @@ def test_compiled_sink_model_matches_eager(script, window, causal, sinks, dtype)
     compare(got[1:], eager[1:], 2e-2, names)  # fp16/bf16 gradients
 
 
+EAGER_GPU = [s for s in BACKWARD if s not in NO_CONFIG] + [SINK_BWD]  # the Hopper ones
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", EAGER_GPU, ids=[s[s.index("/") + 1 : -3] for s in EAGER_GPU])
+def test_eager_call_runs_eager_attention(script):
+    """An eager call on CUDA tensors goes through EagerAttention (docs/CONVENTIONS.md,
+    "Eager calls"): its node is the output's grad_fn, and out and the gradients (sinks: and
+    dsinks) agree with the forward operator's, called directly on the same inputs, within 1e-2
+    / 2e-2 (the same kernels; atomic adds may sum in another order)."""
+    mod = load_script(script)
+    torch.manual_seed(0)
+    if script == SINK_BWD:
+        *qkv, sinks = sink_inputs()
+        leaves = [torch.randn_like(t).requires_grad_() for t in (*qkv, sinks)]
+        rest, op_rest = [], [*sink_settings((3, 2), False, 0.125, None, SINK_BWD)]
+        call = lambda: mod.attention(*leaves, (3, 2), False, 0.125, **choice(script)[1])  # noqa: E731
+        op_args = [*leaves, *op_rest]
+    else:
+        args = list(inputs(script))
+        leaves = [torch.randn_like(t).requires_grad_() for t in args[:3]]
+        rest = args[3:]  # varlen: cu_seqlens and lengths
+        call = lambda: public(script)(*leaves, *rest, True, 0.125, **choice(script)[1])  # noqa: E731
+        op_args = [*leaves, *rest, *settings(script, True, 0.125, None)]
+    out = call()
+    assert out.grad_fn.name() == "EagerAttentionBackward"
+    dout = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, leaves, dout))
+    op_out, _ = mod.attention_forward_op(*op_args)
+    assert op_out.grad_fn.name() != "EagerAttentionBackward"
+    want = (op_out, *torch.autograd.grad(op_out, leaves, dout))
+    compare(got[:1], want[:1], 1e-2, ["out"])  # fp16 forward
+    compare(got[1:], want[1:], 2e-2, ["dq", "dk", "dv", "dsinks"][: len(leaves)])
+
+
 # ----------------------------------------------------------------------------- CPU: varlen sinks
 # example_gqa_sink_fwd_varlen.py: the varlen forward's arguments, then the sink forward's two.
 SINK_VARLEN = "attention_sink/example_gqa_sink_fwd_varlen.py"
@@ -1050,3 +1085,84 @@ def test_sink_varlen_opcheck_on_meta_tensors(sinks, no_kernels):
     torch.library.opcheck(
         mod.attention_forward_op, (*args, 128, 0, True, 0.125, tiles), test_utils=OPCHECK_TESTS
     )
+
+
+# ----------------------------------------------------------------------------- CPU: eager calls
+EAGER_CASES = [*((s, False) for s in BACKWARD), (SINK_BWD, True), (SINK_BWD, False)]
+
+
+def operator_arguments(script, sinks=True):
+    """A differentiable script's forward operator arguments on CPU tensors that require grad:
+    the tensors (varlen: and lengths; sinks: and sinks), then the settings with its first tune
+    config's values (its first choice; sinks: the window (128, 0))."""
+    if script == SINK_BWD:
+        *qkv, s = sink_inputs(sinks, device="cpu")
+        tiles = list(load_script(script).default_config(64).values())
+        tensors = [*qkv, s.requires_grad_() if sinks else None]
+        return tensors, list(sink_settings((128, 0), True, 0.25, tiles, SINK_BWD))
+    args = list(inputs(script, device="cpu"))
+    tiles = [tune_space(script)[0][key] for key in config_keys(script)]
+    return args, list(settings(script, True, 0.25, tiles))
+
+
+@pytest.mark.parametrize(
+    "script,sinks",
+    EAGER_CASES,
+    ids=[s[s.index("/") + 1 : -3] + "-sinks" * k for s, k in EAGER_CASES],
+)
+def test_eager_function_calls_what_the_operators_call(script, sinks, monkeypatch):
+    """EagerAttention, an eager call's path (docs/CONVENTIONS.md, "Eager calls"), hands
+    attention_forward and attention_backward (varlen: and _check_values) the very arguments the
+    operators' real implementations hand them, and returns attention_backward's results as the
+    gradients of q, k, v (sinks: and sinks); the plain functions replaced by recorders."""
+    mod = load_script(script)
+    calls = []
+
+    def record(name, outputs):
+        def plain_function(*args):
+            calls.append((name, args))
+            return outputs(*args)
+
+        monkeypatch.setattr(mod, name, plain_function, raising=name != "_check_values")
+
+    def forward_outputs(q, k, v, *rest):
+        out = q.new_full((*q.shape[:-1], v.shape[-1]), 2.0)
+        return out, torch.zeros(lse_shape(script, (q,)))
+
+    def backward_outputs(dout, q, k, v, out, lse, *rest):
+        grads = tuple(torch.full_like(t, i + 1.0) for i, t in enumerate((q, k, v)))
+        if script == SINK_BWD:
+            s = rest[0]
+            return (*grads, None if s is None else torch.full_like(s, 4.0))
+        return grads
+
+    record("attention_forward", forward_outputs)
+    record("attention_backward", backward_outputs)
+    record("_check_values", lambda *a: None)
+    tensors, op_settings = operator_arguments(script, sinks)
+    for t in tensors[:3]:
+        t.requires_grad_()
+
+    # The operators' real implementations, called directly on CPU tensors.
+    out, lse = mod.attention_forward_op(*tensors, *op_settings)
+    saved = [t for t in tensors if isinstance(t, torch.Tensor) and t.dtype == torch.int32]
+    lengths = [t for t in tensors[3:] if isinstance(t, int)]
+    sink = tensors[3:4] if script == SINK_BWD else []
+    dout = torch.ones_like(out)
+    mod.attention_backward_op(dout, *tensors[:3], out, lse, *sink, *saved, *lengths, *op_settings)
+    through_operators = calls[:]
+    calls.clear()
+
+    out, lse = mod.EagerAttention.apply(*tensors, *op_settings)
+    assert out.requires_grad and not lse.requires_grad
+    leaves = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert [g.unique().tolist() for g in grads] == [[1.0], [2.0], [3.0], [4.0]][: len(leaves)]
+
+    def comparable(args):
+        return [a.shape if isinstance(a, torch.Tensor) else a for a in args]
+
+    assert [(n, comparable(a)) for n, a in calls] == [
+        (n, comparable(a)) for n, a in through_operators
+    ]
+    assert "attention_backward" in [n for n, _ in calls]

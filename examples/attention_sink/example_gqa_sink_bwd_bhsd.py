@@ -519,6 +519,7 @@ def setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks)  # sinks may be None
     ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.set_materialize_grads(False)  # backward never reads dlse: no zeros made for it
     ctx.settings = settings
 
 
@@ -529,6 +530,31 @@ def backward(ctx, dout, dlse):
 
 
 attention_forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The formula above for eager calls: ``setup_context``'s saved tensors, with the plain
+    functions in place of the operators, so a call skips torch.library's Python dispatch (host
+    time that small shapes feel: docs/CONVENTIONS.md, "Eager calls"). Compiled code keeps the
+    operators, which the compiler needs as opaque nodes."""
+
+    @staticmethod
+    def forward(
+        q, k, v, sinks, window_size_left, window_size_right, causal, softmax_scale, strategy, config
+    ):
+        window = (window_size_left, window_size_right)
+        return attention_forward(q, k, v, sinks, window, causal, softmax_scale)
+
+    setup_context = staticmethod(setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        left, right, causal, softmax_scale, strategy, config = ctx.settings
+        cfg = dict(zip(CONFIG_KEYS[strategy], config, strict=True)) if config else None
+        dq, dk, dv, dsinks = attention_backward(
+            dout, *ctx.saved_tensors, (left, right), causal, softmax_scale, cfg, strategy
+        )
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def attention(
@@ -550,9 +576,11 @@ def attention(
     q, k, v = (t.contiguous() for t in (q, k, v))
     sinks = sinks if sinks is None else sinks.contiguous()
     tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
-    out, _ = attention_forward_op(
-        q, k, v, sinks, *window, causal, float(softmax_scale), strategy, tiles
-    )
+    # Compiled code (and fake tensors) call the operator; an eager call on real tensors runs the
+    # same formula as a plain Function (EagerAttention), without the operator's dispatch.
+    eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
+    apply = EagerAttention.apply if eager else attention_forward_op
+    out, _ = apply(q, k, v, sinks, *window, causal, float(softmax_scale), strategy, tiles)
     return out
 
 

@@ -1687,6 +1687,7 @@ def setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.set_materialize_grads(False)  # backward never reads dlse: no zeros made for it
     ctx.settings = (causal, softmax_scale, config)
 
 
@@ -1696,6 +1697,26 @@ def backward(ctx, dout, dlse):
 
 
 attention_forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The formula above for eager calls: ``setup_context``'s saved tensors, with the plain
+    functions in place of the operators, so a call skips torch.library's Python dispatch (host
+    time that small shapes feel: docs/CONVENTIONS.md, "Eager calls"). Compiled code keeps the
+    operators, which the compiler needs as opaque nodes."""
+
+    @staticmethod
+    def forward(q, k, v, causal, softmax_scale, config):
+        return attention_forward(q, k, v, causal, softmax_scale)
+
+    setup_context = staticmethod(setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        causal, softmax_scale, config = ctx.settings
+        cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
+        dq, dk, dv = attention_backward(dout, *ctx.saved_tensors, causal, softmax_scale, cfg)
+        return dq, dk, dv, None, None, None
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, config=None):
@@ -1709,7 +1730,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if config:
         config = {"head_splits": 1, **config}  # a given config need not name it (MHA: 1)
     tiles = [config[key] for key in CONFIG_KEYS] if config else None
-    out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale), tiles)
+    # Compiled code (and fake tensors) call the operator; an eager call on real tensors runs the
+    # same formula as a plain Function (EagerAttention), without the operator's dispatch.
+    eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
+    apply = EagerAttention.apply if eager else attention_forward_op
+    out, _ = apply(q, k, v, causal, float(softmax_scale), tiles)
     return out
 
 

@@ -421,6 +421,7 @@ def setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)  # a statistic for the backward; attention() returns out
+    ctx.set_materialize_grads(False)  # backward never reads dlse: no zeros made for it
     ctx.settings = (causal, softmax_scale)
 
 
@@ -432,6 +433,24 @@ def backward(ctx, dout, dlse):
 attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
+class EagerAttention(torch.autograd.Function):
+    """The formula above for eager calls: ``setup_context``'s saved tensors, with the plain
+    functions in place of the operators, so a call skips torch.library's Python dispatch (host
+    time that small shapes feel: docs/CONVENTIONS.md, "Eager calls"). Compiled code keeps the
+    operators, which the compiler needs as opaque nodes."""
+
+    @staticmethod
+    def forward(q, k, v, causal, softmax_scale):
+        return attention_forward(q, k, v, causal, softmax_scale)
+
+    setup_context = staticmethod(setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        dq, dk, dv = attention_backward(dout, *ctx.saved_tensors, *ctx.settings)
+        return dq, dk, dv, None, None
+
+
 def attention(q, k, v, causal=False, softmax_scale=None):
     """Differentiable FlashAttention on Blackwell: ``q [B, Sq, H, D]``, ``k, v [B, Sk, H, D]``
     (fp16/bf16, CUDA) → ``out [B, Sq, H, D]``; ``out.backward`` runs the TCGEN05 backward."""
@@ -439,7 +458,11 @@ def attention(q, k, v, causal=False, softmax_scale=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    out, _ = attention_forward_op(q, k, v, causal, float(softmax_scale))
+    # Compiled code (and fake tensors) call the operator; an eager call on real tensors runs the
+    # same formula as a plain Function (EagerAttention), without the operator's dispatch.
+    eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
+    apply = EagerAttention.apply if eager else attention_forward_op
+    out, _ = apply(q, k, v, causal, float(softmax_scale))
     return out
 
 
