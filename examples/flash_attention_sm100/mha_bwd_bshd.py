@@ -437,13 +437,16 @@ class EagerAttention(torch.autograd.Function):
     """The formula above for eager calls: ``setup_context``'s saved tensors, with the plain
     functions in place of the operators, so a call skips torch.library's Python dispatch (host
     time that small shapes feel: docs/CONVENTIONS.md, "Eager calls"). Compiled code keeps the
-    operators, which the compiler needs as opaque nodes."""
+    operators, which the compiler needs as opaque nodes. ``forward`` takes ``ctx`` and calls
+    ``setup_context`` itself: a Function that defines ``setup_context`` pays for an
+    ``inspect.signature`` of its ``forward`` on every call."""
 
     @staticmethod
-    def forward(q, k, v, causal, softmax_scale):
-        return attention_forward(q, k, v, causal, softmax_scale)
-
-    setup_context = staticmethod(setup_context)
+    def forward(ctx, *inputs):
+        q, k, v, causal, softmax_scale = inputs
+        output = attention_forward(q, k, v, causal, softmax_scale)
+        setup_context(ctx, inputs, output)  # the operators' formula, as they run it
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
