@@ -370,7 +370,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     tile computes; kept in the attention-sink forwards, whose narrow windows make tiles short)
     measured level or slower here: 584 against 607 TFLOP/s at B4 H32 S4096 D128, 547 against
     542 causal, 572 against 577 at B2 S8192 causal, 429 against 419 at B16 S1024 causal, 423
-    against 425 at B8 H64 S4096 D64 causal.
+    against 425 at B8 H64 S4096 D64 causal. Keeping the exponentials ahead of the wait for
+    P V (ptxas hoists that wait above them; a completed mbarrier wait after the softmax pins
+    it), with or without two P register sets or ping-pong, measured 0.91-1.04x this kernel
+    (2026-11-24), no row moving further than two runs of one variant differed: not kept.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
