@@ -53,10 +53,12 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     config: dict. That strategy's backward tiles; default ``default_config``.
     Returns out: (batch, nheads, seqlen_q, headdim), differentiable (``torch.autograd``).
 
-Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_bwd_bhsd_forward``
+In compiled code, ``attention`` calls the custom operator ``tl_attn::gqa_sink_bwd_bhsd_forward``
 (``torch.library``), whose autograd formula calls ``tl_attn::gqa_sink_bwd_bhsd_backward``, so
 ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
 break.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --causal --window 128 0

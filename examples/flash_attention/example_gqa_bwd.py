@@ -65,10 +65,12 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
         heads shared out over thread blocks).
     Returns out: (batch, seqlen_q, nheads, headdim_v), differentiable (``torch.autograd``).
 
-Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_bwd_forward``
+In compiled code, ``attention`` calls the custom operator ``tl_attn::gqa_bwd_forward``
 (``torch.library``), whose autograd formula calls ``tl_attn::gqa_bwd_backward``, so
 ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
 break; ``strategy`` is settled before the call and travels as a string.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/flash_attention/example_gqa_bwd.py --groups 4 --causal

@@ -63,11 +63,13 @@ API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.m
         default ``default_config``.
     Returns out: (total_q, nheads, headdim), differentiable (``torch.autograd``).
 
-Underneath, ``attention_varlen`` calls the custom operator
+In compiled code, ``attention_varlen`` calls the custom operator
 ``tl_attn::gqa_bwd_tma_reduce_varlen_forward`` (``torch.library``), which also reads and checks
 the ``cu_seqlens`` values, and whose autograd formula calls
 ``tl_attn::gqa_bwd_tma_reduce_varlen_backward``, so ``torch.compile(model, fullgraph=True)``
 compiles a training step around it without a graph break.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py --groups 4 --causal

@@ -51,10 +51,12 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     Returns out: (batch, nheads, seqlen_q, headdim), differentiable
         (``torch.autograd``): its backward runs the kernels above.
 
-Underneath, ``attention`` calls the custom operator ``tl_attn::mha_bwd_bhsd_forward``
+In compiled code, ``attention`` calls the custom operator ``tl_attn::mha_bwd_bhsd_forward``
 (``torch.library``), whose autograd formula calls ``tl_attn::mha_bwd_bhsd_backward``, so
 ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
 break.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/flash_attention/example_mha_bwd_bhsd.py --causal --dtype bfloat16

@@ -50,10 +50,12 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     Returns out: (batch, seqlen_q, nheads, headdim), differentiable
         (``torch.autograd``): its backward runs the kernels above.
 
-Underneath, ``attention`` calls the custom operator ``tl_attn::mha_bwd_bshd_forward``
+In compiled code, ``attention`` calls the custom operator ``tl_attn::mha_bwd_bshd_forward``
 (``torch.library``), whose autograd formula calls ``tl_attn::mha_bwd_bshd_backward``, so
 ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
 break.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/flash_attention/example_mha_bwd_bshd.py --causal --dtype bfloat16

@@ -120,10 +120,12 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     Returns out: (batch, seqlen_q, nheads, headdim), differentiable
         (``torch.autograd``): its backward runs the backward kernels above.
 
-Underneath, ``attention`` calls the custom operator ``tl_attn::mha_bwd_wgmma_pipelined_forward``
-(``torch.library``), whose autograd formula calls ``tl_attn::mha_bwd_wgmma_pipelined_backward``,
-so ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
-break.
+In compiled code, ``attention`` calls the custom operator
+``tl_attn::mha_bwd_wgmma_pipelined_forward`` (``torch.library``), whose autograd formula calls
+``tl_attn::mha_bwd_wgmma_pipelined_backward``, so ``torch.compile(model, fullgraph=True)``
+compiles a training step around it without a graph break.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/flash_attention/example_mha_bwd_wgmma_pipelined.py --causal

@@ -35,10 +35,12 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
     softmax_scale: float. Scaling of QKᵀ before the softmax; default 1 / sqrt(headdim).
     Returns out: (batch, seqlen_q, nheads, headdim), differentiable (``torch.autograd``).
 
-Underneath, ``attention`` calls the custom operator ``tl_attn::sm100_mha_bwd_bshd_forward``
+In compiled code, ``attention`` calls the custom operator ``tl_attn::sm100_mha_bwd_bshd_forward``
 (``torch.library``), whose autograd formula calls ``tl_attn::sm100_mha_bwd_bshd_backward``, so
 ``torch.compile(model, fullgraph=True)`` compiles a training step around it without a graph
 break.
+An eager call runs the same formula through ``EagerAttention`` (a plain
+``torch.autograd.Function`` over the same functions), without the operators' dispatch.
 
 Run:
     python examples/flash_attention_sm100/mha_bwd_bshd.py --causal
