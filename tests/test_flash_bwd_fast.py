@@ -156,8 +156,7 @@ def test_head_splits_build_clean_and_write_float32_parts(dim, block_M, causal):
     twice as tall, dK and dV float32 parts with the part's offset from the grid row."""
     mod = load_script(FAST)
     cfg = dict(mod.default_config(dim), block_M=block_M, head_splits=2)
-    args = (1, 32, 2048, 2048, dim, causal, dim**-0.5, "bfloat16")
-    kernel = harness_compile(mod, *args, groups=8, **cfg)
+    kernel = build(mod, 1, 32, 2048, dim, causal, "bfloat16", groups=8, **cfg)
     assert_clean_build(kernel, block_M * 2 + 128, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
     src = kernel.get_kernel_source()
     assert "float* __restrict__ dK" in src and "float* __restrict__ dV" in src
@@ -187,13 +186,7 @@ def test_head_split_parts_are_summed_in_one_launch(layout, splits):
 def test_head_splits_must_divide_the_group(kw):
     mod = load_script(FAST)
     with pytest.raises(ValueError, match="head_splits"):
-        harness_compile(mod, 1, 8, 1024, 1024, 128, False, 0.1, "bfloat16", **kw)
-
-
-def harness_compile(mod, *args, **kw):
-    import harness
-
-    return harness.compile_for(mod.flash_bwd, "sm_90a", *args, **kw)
+        build(mod, 1, 8, 1024, 128, False, "bfloat16", **kw)
 
 
 @pytest.mark.parametrize("dim,block_M", [(128, 64), (64, 32), (64, 192)])

@@ -410,9 +410,10 @@ def test_head_splits_gradients(case, poisoned_empty):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 4])
-def test_head_splits_through_the_operator(splits, poisoned_empty):
+def test_head_splits_through_attention(splits, poisoned_empty):
     """``attention(config=...)`` (strategy group) with and without ``head_splits`` in the
-    config: the custom operator carries it to the backward; gradients against the reference."""
+    config: the autograd formula's settings carry it to the backward (an eager call, through
+    EagerAttention); gradients against the reference."""
     from helpers import rel_err
 
     mod = load_script(GQA_BWD)
