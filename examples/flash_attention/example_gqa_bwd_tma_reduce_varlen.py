@@ -335,12 +335,9 @@ attention_forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 class EagerAttention(torch.autograd.Function):
-    """The formula above for eager calls: ``setup_context``'s saved tensors, with the plain
-    functions in place of the operators, so a call skips torch.library's Python dispatch (host
-    time that small shapes feel: docs/CONVENTIONS.md, "Eager calls"). Compiled code keeps the
-    operators, which the compiler needs as opaque nodes. ``forward`` takes ``ctx`` and calls
-    ``setup_context`` itself: a Function that defines ``setup_context`` pays for an
-    ``inspect.signature`` of its ``forward`` on every call."""
+    """The formula above for eager calls, over the plain functions, without the operators'
+    per-call dispatch (docs/CONVENTIONS.md, "Eager calls": why, and why ``forward`` takes
+    ``ctx``)."""
 
     @staticmethod
     def forward(ctx, *inputs):
