@@ -282,7 +282,6 @@ def flashattn_fwd(
                             stage = g % num_stages
                             prev = (g - 1) % num_stages
                             T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
-                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
                             T.wgmma_gemm(
                                 Q_shared,
                                 K_shared[stage, :, :],
@@ -291,6 +290,9 @@ def flashattn_fwd(
                                 clear_accum=True,
                                 policy=T.GemmWarpPolicy.FullRow,
                             )
+                            # V(k-1)'s wait runs under S(k)'s GEMM: a wait takes a while even
+                            # when the load has landed, idle tensor cores before the first issue.
+                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
                             T.wgmma_gemm(
                                 acc_s_cast,
                                 V_shared[prev, :, :],
