@@ -1166,3 +1166,10 @@ def test_eager_function_calls_what_the_operators_call(script, sinks, monkeypatch
         (n, comparable(a)) for n, a in through_operators
     ]
     assert "attention_backward" in [n for n, _ in calls]
+
+    # A second derivative (dout part of a graph, as in a gradient penalty) is an error, never a
+    # silent zero.
+    out, _ = mod.EagerAttention.apply(*tensors, *op_settings)
+    first = torch.autograd.grad(out, leaves, dout.clone().requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first[0].sum().backward()

@@ -776,6 +776,7 @@ class EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: an error, not zeros
     def backward(ctx, dout, dlse):
         causal, softmax_scale, strategy, config = ctx.settings
         cfg = dict(zip(CONFIG_KEYS[strategy], config, strict=True)) if config else None

@@ -448,6 +448,7 @@ class EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: an error, not zeros
     def backward(ctx, dout, dlse):
         dq, dk, dv = attention_backward(dout, *ctx.saved_tensors, *ctx.settings)
         return dq, dk, dv, None, None
