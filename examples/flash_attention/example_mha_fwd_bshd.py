@@ -375,7 +375,9 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     against 425 at B8 H64 S4096 D64 causal. Keeping the exponentials ahead of the wait for
     P V (ptxas hoists that wait above them; a completed mbarrier wait after the softmax pins
     it), with or without two P register sets or ping-pong, measured 0.91-1.04x this kernel
-    (2026-11-24), no row moving further than two runs of one variant differed: not kept.
+    (2026-11-24), no row moving further than two runs of one variant differed: not kept. With
+    the exponentials pinned ahead, the wider tiles lost again (2026-11-24): 128x160 0.93-0.99x,
+    128x176 0.92-0.96x, 128x192 0.81-0.94x this kernel on five D=128 rows.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
