@@ -289,8 +289,8 @@ def flashattn_fwd(
                                 clear_accum=True,
                                 policy=T.GemmWarpPolicy.FullRow,
                             )
-                            # V(k-1)'s wait runs under S(k)'s GEMM: a wait takes a while even
-                            # when the load has landed, idle tensor cores before the first issue.
+                            # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
+                            # landed load's wait costs cycles, idle tensor cores if spent first.
                             T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
                             T.wgmma_gemm(
                                 acc_s_cast,
