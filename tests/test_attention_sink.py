@@ -896,19 +896,76 @@ def test_backward_tile_loop_matches_autograd(Sq, Sk, window, causal, tile):
             assert rel_err(g, e) < 1e-12, name
 
 
-def test_backward_builds_for_sm90(capsys):
-    """--compile-only builds the five kernels of a training step (a causal window, Sq != Sk);
-    the backward kernel (strategy group, the default) uses WGMMA, TMA and the bulk reduce-add."""
+@pytest.mark.parametrize(
+    "window,kernels",
+    [
+        ((256, 0), ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post")),
+        ((128, 0), ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv")),
+    ],
+)
+def test_backward_builds_for_sm90(window, kernels, capsys):
+    """--compile-only builds every kernel of a training step (a causal window, Sq != Sk). The
+    backward (strategy group, the default): a window wider than 128 keys takes the fused kernel,
+    which adds dQ with the bulk reduce-add; a narrower one the dQ pass, whose two kernels add
+    nothing anywhere, and the hand-scheduled kernel without its dQ half."""
     load_script(BWD).main(
         ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
-         "--window", "128", "0", "--causal", "--dim", "128"]
+         "--window", *map(str, window), "--causal", "--dim", "128"]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "built for sm_90a" in out
-    for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post", "flash_bwd_sinks"):
-        assert f"  {name}:" in out
-    line = out.split("flash_bwd:")[1].splitlines()[0]
-    assert "wgmma" in line and "bulk-reduce" in line
+    lines = {
+        line.split(":")[0].strip(): line for line in out.splitlines() if "lines of CUDA" in line
+    }  # noqa: E501
+    assert list(lines) == [*kernels, "flash_bwd_sinks"]
+    backward = kernels[2]
+    assert "wgmma" in lines[backward] and "tma" in lines[backward]
+    if window == (128, 0):
+        assert "wgmma" in lines["flash_bwd_dq"]
+        assert "bulk-reduce" not in lines[backward] and "atomics" not in lines[backward]
+        assert "atomics" not in lines["flash_bwd_dq"]
+    else:
+        assert "bulk-reduce" in lines[backward]
+
+
+@pytest.mark.parametrize(
+    "window,pays",
+    [((128, 0), True), ((64, 64), True), ((0, 0), True), ((129, 0), False), ((256, 0), False),
+     ((1024, 0), False), ((-1, 0), False), ((16, -1), False), ((-1, -1), False)],
+)  # fmt: skip
+def test_dq_pass_takes_the_narrow_windows(window, pays):
+    assert load_script(BWD).dq_pass_pays(*window) is pays
+
+
+@pytest.mark.parametrize(
+    "D,window,Sq,Sk",
+    [(64, (128, 0), 4096, 4096), (128, (128, 0), 1000, 777), (64, (64, 64), 255, 1000)],
+)
+def test_dq_pass_builds_clean(D, window, Sq, Sk):
+    """The dQ pass's kernels for sm_90a: ``flash_bwd_dq`` (TileLang's pipeline, WGMMA) and the
+    hand-scheduled kernel with ``with_dq=False`` (setmaxnreg and mbarriers, no dQ tile, no
+    reduce-add), each without spills or a serialized WGMMA (ptxas); groups of 8."""
+    from test_flash_bwd_fast import assert_clean_build, ptxas_report
+
+    import harness
+
+    bwd, fast = load_script(BWD), load_script(FAST_BWD)
+    cfg = fast.default_config(D)
+    kernels = bwd.dq_pass_kernels(1, 64, 8, Sq, Sk, D, *window, D**-0.5, "bfloat16", cfg)
+    assert list(kernels) == ["flash_bwd_dq", "flash_bwd_dkdv"]
+    built = {
+        name: harness.compile_for(factory, "sm_90a", *args, **kw)
+        for name, (factory, args, kw) in kernels.items()
+    }
+    src = built["flash_bwd_dq"].get_kernel_source()
+    assert "wgmma" in src and "atomic" not in src.lower()
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
+    assert "Potential Performance Loss" not in report
+    src = built["flash_bwd_dkdv"].get_kernel_source()
+    assert "cp.reduce.async.bulk" not in src and "dq_store_or_add" not in src
+    assert "setmaxnreg" in src or "warpgroup_reg_alloc" in src
+    assert_clean_build(built["flash_bwd_dkdv"])
 
 
 def test_backward_command_line_and_bad_input(capsys):
@@ -944,6 +1001,13 @@ def test_backward_command_line_and_bad_input(capsys):
         (2, 128, 2048, 8, 1, 64, (64, 0), False, True, torch.bfloat16),  # keys no query sees
         (2, 4096, 4096, 16, 2, 128, (1024, 0), True, True, torch.bfloat16),
         (1, 777, 1000, 8, 8, 64, (-1, 100), False, True, torch.float16),
+        # The dQ pass (dq_pass_pays): one row, Sq != Sk both ways, a diagonal-only window,
+        # few queries against many keys, a long sequence with groups of 8.
+        (1, 1, 1, 8, 1, 64, (128, 0), True, True, torch.float16),
+        (2, 255, 1000, 16, 2, 128, (64, 64), False, True, torch.float16),
+        (2, 1000, 777, 8, 8, 64, (0, 0), False, True, torch.bfloat16),
+        (2, 17, 4096, 8, 2, 64, (100, 28), False, True, torch.bfloat16),
+        (1, 4096, 4096, 8, 1, 128, (128, 0), True, True, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("strategy", ["group", "atomic"])
