@@ -632,8 +632,8 @@ def flash_bwd(
     waits for lower ones, which the GPU dispatches no later (blocks start in the order of their
     linear index), so a chain of waits ends at key block 0, which waits for nothing.
 
-    ``with_dq=False`` (dense layouts, one launch): dK and dV only, the kernel ``flash_bwd_dkdv``
-    without a dQ accumulator. A step is four GEMMs (no dSᵀ in shared memory, no named barrier,
+    ``with_dq=False`` (dense layouts, one launch): dK and dV only, a kernel without the dQ
+    accumulator argument. A step is four GEMMs (no dSᵀ in shared memory, no named barrier,
     producer warp 1 idle); dQ comes from a query-major pass of its own (the narrow windows of
     example_gqa_sink_bwd_bhsd.py).
     """
@@ -1179,7 +1179,7 @@ def flash_bwd(
     if not with_dq:  # no dQ accumulator
 
         @T.prim_func
-        def flash_bwd_dkdv(
+        def flash_bwd(
             Q: T.Tensor(q_shape, dtype),
             K: T.Tensor(kv_shape, dtype),
             V: T.Tensor(kv_shape, dtype),
@@ -1196,7 +1196,7 @@ def flash_bwd(
             ):
                 thread_block(bx, by, rows(bz), Q, K, V, dO, lse2, Delta, None, dK, dV)
 
-        return flash_bwd_dkdv
+        return flash_bwd
 
     if ordered_store:  # one more argument: the ready flags, one per dQ tile, zeroed
 
