@@ -134,6 +134,20 @@ def window_query_blocks(bx, block_M, block_N, seq_q, seq_kv, left, right):
 
 
 # ----------------------------------------------------------------------------- backward kernels
+@T.macro
+def sum_delta(Output, dO, bz, by, row0, delta):
+    # delta[i] = Σ_d O ∘ dO of rows row0 + i of head by, batch bz, into a float32 fragment.
+    block, dim = delta.shape[0], Output.shape[3]
+    o = T.alloc_fragment([block, dim], Output.dtype)
+    do = T.alloc_fragment([block, dim], dO.dtype)
+    prod = T.alloc_fragment([block, dim], "float32")
+    T.copy(Output[bz, by, row0 : row0 + block, :], o)
+    T.copy(dO[bz, by, row0 : row0 + block, :], do)
+    for i, j in T.Parallel(block, dim):
+        prod[i, j] = T.cast(o[i, j], "float32") * T.cast(do[i, j], "float32")
+    T.reduce_sum(prod, delta, dim=1)
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64):
     """delta[b, h, i] = Σ_d O[b, h, i, d] · dO[b, h, i, d], in float32."""
@@ -147,15 +161,8 @@ def flashattn_bwd_preprocess(batch, heads, seq_q, dim, dtype="float16", block=64
         Delta: T.Tensor([batch, heads, seq_q], accum_dtype),
     ):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
-            o = T.alloc_fragment([block, dim], dtype)
-            do = T.alloc_fragment([block, dim], dtype)
-            acc = T.alloc_fragment([block, dim], accum_dtype)
             delta = T.alloc_fragment([block], accum_dtype)
-            T.copy(Output[bz, by, bx * block : (bx + 1) * block, :], o)
-            T.copy(dO[bz, by, bx * block : (bx + 1) * block, :], do)
-            for i, j in T.Parallel(block, dim):
-                acc[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
-            T.reduce_sum(acc, delta, dim=1)
+            sum_delta(Output, dO, bz, by, bx * block, delta)
             T.copy(delta, Delta[bz, by, bx * block : (bx + 1) * block])
 
     return flash_bwd_prep
@@ -357,15 +364,8 @@ def flashattn_bwd_dq(
     def stats(Output, dO, Delta, lse2, lse_in, delta_shared, lse_shared, bx, by, bz):
         # delta and lse2 of the block's rows, to shared memory for the loop and to global
         # memory for the key-major pass. Rows past Sq: delta 0, lse2 +inf (P = 0).
-        o = T.alloc_fragment([block_M, dim], dtype)
-        do = T.alloc_fragment([block_M, dim], dtype)
-        prod = T.alloc_fragment([block_M, dim], accum_dtype)
         delta = T.alloc_fragment([block_M], accum_dtype)
-        T.copy(Output[bz, by, bx * block_M : (bx + 1) * block_M, :], o)
-        T.copy(dO[bz, by, bx * block_M : (bx + 1) * block_M, :], do)
-        for i, j in T.Parallel(block_M, dim):
-            prod[i, j] = T.cast(o[i, j], accum_dtype) * T.cast(do[i, j], accum_dtype)
-        T.reduce_sum(prod, delta, dim=1)
+        sum_delta(Output, dO, bz, by, bx * block_M, delta)
         for i in T.Parallel(block_M):
             row = bx * block_M + i
             real = row < seq_q
