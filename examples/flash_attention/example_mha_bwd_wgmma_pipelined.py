@@ -93,6 +93,11 @@ own tile. The grid takes the sequences heaviest first (``sequence_order``): a lo
 whose key blocks started last would run on alone at the end. example_gqa_bwd_tma_reduce_varlen.py
 runs it that way.
 
+A window of a few key blocks needs little of the kernel's dQ half and pays most for its float32
+accumulator: example_gqa_sink_bwd_bhsd.py computes dQ for such windows in a query-major pass of
+its own and runs this kernel with ``with_dq=False`` (dK and dV only: four GEMMs a step, no dSᵀ
+tile in shared memory, no named barrier, producer warp 1 idle).
+
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
 inserted behind the kernel's back: it synchronises with mbarriers and one named barrier), and
