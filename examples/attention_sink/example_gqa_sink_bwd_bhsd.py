@@ -577,9 +577,7 @@ def run_backward_dq_pass(dout, q, k, v, out, lse, softmax_scale, config, window)
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     cfg = config
     if not cfg:  # the default, for this grid (as run_backward chooses it)
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = fast_bwd.Grid(B, Hkv, H // Hkv, Sk, False, True, num_sms)
-        cfg = fast_bwd.default_config(D, fwd.device_arch(q.device), grid)
+        cfg = fast_bwd.grid_config(D, B, H, Hkv, Sk, False, window, q.device)
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)

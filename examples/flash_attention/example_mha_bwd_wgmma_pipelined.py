@@ -1566,6 +1566,13 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     return run_backward(dout, q, k, v, out, lse, causal, softmax_scale, config)[:3]
 
 
+def grid_config(dim, batch, heads, heads_kv, seq_k, causal, window, device):
+    """``default_config`` for a dense backward's grid on ``device`` (its SM count)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = Grid(batch, heads_kv, heads // heads_kv, seq_k, causal, window[0] >= 0, num_sms)
+    return default_config(dim, fwd.device_arch(device), grid)
+
+
 def run_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, config=None, window=(-1, -1), layout="bshd"
 ):
@@ -1583,9 +1590,7 @@ def run_backward(
     dtype = dtype_name(q)
     cfg = config
     if not cfg:  # the default, for this grid
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = Grid(B, Hkv, H // Hkv, Sk, causal, window[0] >= 0, num_sms)
-        cfg = default_config(D, fwd.device_arch(q.device), grid)
+        cfg = grid_config(D, B, H, Hkv, Sk, causal, window, q.device)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
