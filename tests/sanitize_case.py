@@ -2,7 +2,8 @@
 (example_gqa_bwd.py's group strategy, four query heads a kv head, shared out over four thread
 blocks a key block by the small-grid default; each also with a single key block and Sq > Sk),
 attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, both window
-edges, key blocks no query reaches) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
+edges, key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused
+kernel) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
 the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
 partial blocks) — for compute-sanitizer (not collected by pytest). On an H100, from the
 repository root:
@@ -10,6 +11,8 @@ repository root:
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py
+    compute-sanitizer --tool racecheck python tests/sanitize_case.py sink   # one family:
+                                                        # mha (MHA and GQA), sink or varlen
 """
 
 import pathlib
@@ -20,9 +23,12 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import load_script  # noqa: E402
 
+FAMILIES = sys.argv[1:] or ["mha", "sink", "varlen"]
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
 for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attention, 4, 1)):
+    if "mha" not in FAMILIES:
+        break
     # (255, 17), (512, 64): one key block, which sees one query block.
     for D, Sq, Sk in ((64, 200, 333), (128, 200, 333), (128, 255, 17), (64, 512, 64)):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -38,8 +44,9 @@ for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attent
         print(f"{name} D{D} Sq{Sq} Sk{Sk}: finite", finite)
 
 sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
-for D in (64, 128):
-    for Sq, Sk, window, causal in ((200, 333, (64, 0), True), (64, 600, (32, 16), False)):
+for D in (64, 128) if "sink" in FAMILIES else ():
+    cases = ((200, 333, (64, 0), True), (64, 600, (32, 16), False), (200, 333, (160, 0), True))
+    for Sq, Sk, window, causal in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (
             torch.randn(1, heads, S, D, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -57,7 +64,7 @@ varlen = load_script("flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
 lens_q, lens_k = [200, 0, 17, 130], [333, 5, 17, 64]
 cu_q, cu_k = ([0] + [sum(lens[: i + 1]) for i in range(len(lens))] for lens in (lens_q, lens_k))
 cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in (cu_q, cu_k))
-for D in (64, 128):
+for D in (64, 128) if "varlen" in FAMILIES else ():
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (
         torch.randn(n, heads, D, generator=g, device="cuda", dtype=torch.bfloat16)

@@ -896,19 +896,146 @@ def test_backward_tile_loop_matches_autograd(Sq, Sk, window, causal, tile):
             assert rel_err(g, e) < 1e-12, name
 
 
-def test_backward_builds_for_sm90(capsys):
-    """--compile-only builds the five kernels of a training step (a causal window, Sq != Sk);
-    the backward kernel (strategy group, the default) uses WGMMA, TMA and the bulk reduce-add."""
+def emulate_dq_pass(bwd, mod, q, k, v, dout, sinks, window_size, causal, scale, block_M, block_N):
+    """``flashattn_bwd_dq``'s loop on the CPU in float64: per query block and head, the key
+    blocks of window_key_blocks, P from the forward's lse (+inf on rows past Sq), the mask only
+    on the blocks window_mask_runs leaves masked, dQ summed in the block's own rows."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    groups = H // k.shape[1]
+    left, right = mod.normalize_window(window_size, causal, Sq, Sk)
+    out, lse = mod.ref_program(q, k, v, sinks, window_size, causal, scale, return_lse=True)
+    delta = (out * dout).sum(-1)
+    offset = Sk - Sq
+    n_q = math.ceil(Sq / block_M)
+    pad_k = math.ceil(Sk / block_N) * block_N + block_N
+    dq = torch.zeros_like(q)
+    for b, h, bx in itertools.product(range(B), range(H), range(n_q)):
+        n_start, n_blocks = (
+            int(x) for x in mod.window_key_blocks(bx, block_M, block_N, Sq, Sk, left, right)
+        )
+        runs = mod.window_mask_runs(bx, n_start, n_blocks, block_M, block_N, Sq, Sk, left, right)
+        n_left, n_inner_end = (int(x) for x in runs)
+        rows = torch.arange(bx * block_M, (bx + 1) * block_M)
+        real = rows < Sq
+        qt, dot = (torch.zeros(block_M, D, dtype=torch.float64) for _ in range(2))
+        qt[real], dot[real] = q[b, h, rows[real]], dout[b, h, rows[real]]
+        lse2 = torch.full((block_M,), math.inf, dtype=torch.float64)
+        dl = torch.zeros(block_M, dtype=torch.float64)
+        lse2[real], dl[real] = lse[b, h, rows[real]], delta[b, h, rows[real]]
+        kp, vp = (torch.zeros(pad_k, D, dtype=torch.float64) for _ in range(2))
+        kp[:Sk], vp[:Sk] = k[b, h // groups], v[b, h // groups]
+        acc = torch.zeros(block_M, D, dtype=torch.float64)
+        for n in range(n_blocks):
+            keys = torch.arange((n_start + n) * block_N, (n_start + n + 1) * block_N)
+            p = torch.exp(qt @ kp[keys].T * scale - lse2[:, None])
+            if n < n_left or n >= n_inner_end:
+                vis = keys[None, :] < Sk
+                centre = rows[:, None] + offset
+                if right >= 0:
+                    vis = vis & (keys[None, :] <= centre + right)
+                if left >= 0:
+                    vis = vis & (keys[None, :] >= centre - left)
+                p = p.masked_fill(~vis, 0.0)
+            ds = p * (dot @ vp[keys].T - dl[:, None])
+            acc += ds @ kp[keys]
+        dq[b, h, rows[real]] = (acc * scale)[real]
+    return dq
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,window,causal,tile",
+    [
+        (40, 40, (8, 0), False, (16, 8)),
+        (37, 61, (5, 5), False, (8, 16)),
+        (61, 37, (12, 0), True, (16, 8)),  # rows that see no key
+        (50, 50, (0, 0), False, (8, 8)),
+        (45, 70, (3, 9), True, (16, 16)),  # causal: (3, 0)
+    ],
+)
+def test_dq_pass_loop_matches_autograd(Sq, Sk, window, causal, tile):
+    """The dQ pass's loop (key block ranges, edge-only masks, P from lse, padded rows), emulated
+    with small tiles, gives autograd's dq."""
+    bwd, mod = load_script(BWD), load_script(FWD)
+    q, k, v, sinks = make_inputs(2, Sq, Sk, 4, 2, 16, dtype=torch.float64)
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks.double())]
+    out = bwd.ref_program(*leaves, window, causal, 0.25)
+    expect = torch.autograd.grad(out, leaves[0], dout)[0]
+    got = emulate_dq_pass(bwd, mod, q, k, v, dout, sinks.double(), window, causal, 0.25, *tile)
+    assert rel_err(got, expect) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "window,kernels",
+    [
+        ((256, 0), ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post")),
+        ((128, 0), ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv")),
+    ],
+)
+def test_backward_builds_for_sm90(window, kernels, capsys):
+    """--compile-only builds every kernel of a training step (a causal window, Sq != Sk). The
+    backward (strategy group, the default): a window wider than 128 keys takes the fused kernel,
+    which adds dQ with the bulk reduce-add; a narrower one the dQ pass, whose two kernels add
+    nothing anywhere, and the hand-scheduled kernel without its dQ half."""
     load_script(BWD).main(
         ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
-         "--window", "128", "0", "--causal", "--dim", "128"]
+         "--window", *map(str, window), "--causal", "--dim", "128"]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "built for sm_90a" in out
-    for name in ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_post", "flash_bwd_sinks"):
-        assert f"  {name}:" in out
-    line = out.split("flash_bwd:")[1].splitlines()[0]
-    assert "wgmma" in line and "bulk-reduce" in line
+    lines = {
+        line.split(":")[0].strip(): line for line in out.splitlines() if "lines of CUDA" in line
+    }  # noqa: E501
+    assert list(lines) == [*kernels, "flash_bwd_sinks"]
+    backward = kernels[2]
+    assert "wgmma" in lines[backward] and "tma" in lines[backward]
+    if window == (128, 0):
+        assert "wgmma" in lines["flash_bwd_dq"]
+        assert "bulk-reduce" not in lines[backward] and "atomics" not in lines[backward]
+        assert "atomics" not in lines["flash_bwd_dq"]
+    else:
+        assert "bulk-reduce" in lines[backward]
+
+
+@pytest.mark.parametrize(
+    "window,pays",
+    [((128, 0), True), ((64, 64), True), ((0, 0), True), ((129, 0), False), ((256, 0), False),
+     ((1024, 0), False), ((-1, 0), False), ((16, -1), False), ((-1, -1), False)],
+)  # fmt: skip
+def test_dq_pass_takes_the_narrow_windows(window, pays):
+    assert load_script(BWD).dq_pass_pays(*window) is pays
+
+
+@pytest.mark.parametrize(
+    "D,window,Sq,Sk",
+    [(64, (128, 0), 4096, 4096), (128, (128, 0), 1000, 777), (64, (64, 64), 255, 1000)],
+)
+def test_dq_pass_builds_clean(D, window, Sq, Sk):
+    """The dQ pass's kernels for sm_90a: ``flash_bwd_dq`` (TileLang's pipeline, WGMMA) and the
+    hand-scheduled kernel with ``with_dq=False`` (setmaxnreg and mbarriers, no dQ tile, no
+    reduce-add), each without spills or a serialized WGMMA (ptxas); groups of 8."""
+    from test_flash_bwd_fast import assert_clean_build, ptxas_report
+
+    import harness
+
+    bwd, fast = load_script(BWD), load_script(FAST_BWD)
+    cfg = fast.default_config(D)
+    kernels = bwd.dq_pass_kernels(1, 64, 8, Sq, Sk, D, *window, D**-0.5, "bfloat16", cfg)
+    assert list(kernels) == ["flash_bwd_dq", "flash_bwd_dkdv"]
+    built = {
+        name: harness.compile_for(factory, "sm_90a", *args, **kw)
+        for name, (factory, args, kw) in kernels.items()
+    }
+    src = built["flash_bwd_dq"].get_kernel_source()
+    assert "wgmma" in src and "atomic" not in src.lower()
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
+    assert "Potential Performance Loss" not in report
+    src = built["flash_bwd_dkdv"].get_kernel_source()
+    assert "cp.reduce.async.bulk" not in src and "dq_store_or_add" not in src
+    assert "setmaxnreg" in src or "warpgroup_reg_alloc" in src
+    assert_clean_build(built["flash_bwd_dkdv"])
 
 
 def test_backward_command_line_and_bad_input(capsys):
@@ -944,6 +1071,13 @@ def test_backward_command_line_and_bad_input(capsys):
         (2, 128, 2048, 8, 1, 64, (64, 0), False, True, torch.bfloat16),  # keys no query sees
         (2, 4096, 4096, 16, 2, 128, (1024, 0), True, True, torch.bfloat16),
         (1, 777, 1000, 8, 8, 64, (-1, 100), False, True, torch.float16),
+        # The dQ pass (dq_pass_pays): one row, Sq != Sk both ways, a diagonal-only window,
+        # few queries against many keys, a long sequence with groups of 8.
+        (1, 1, 1, 8, 1, 64, (128, 0), True, True, torch.float16),
+        (2, 255, 1000, 16, 2, 128, (64, 64), False, True, torch.float16),
+        (2, 1000, 777, 8, 8, 64, (0, 0), False, True, torch.bfloat16),
+        (2, 17, 4096, 8, 2, 64, (100, 28), False, True, torch.bfloat16),
+        (1, 4096, 4096, 8, 1, 128, (128, 0), True, True, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("strategy", ["group", "atomic"])

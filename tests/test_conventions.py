@@ -31,6 +31,7 @@ KERNEL_ROLES = {
     "flash_fwd_varlen",
     "flash_bwd_prep",
     "flash_bwd",
+    "flash_bwd_dq",
     "flash_bwd_varlen",
     "flash_bwd_post",
     "flash_bwd_post_kv",

@@ -93,6 +93,11 @@ own tile. The grid takes the sequences heaviest first (``sequence_order``): a lo
 whose key blocks started last would run on alone at the end. example_gqa_bwd_tma_reduce_varlen.py
 runs it that way.
 
+A window of a few key blocks needs little of the kernel's dQ half and pays most for its float32
+accumulator: example_gqa_sink_bwd_bhsd.py computes dQ for such windows in a query-major pass of
+its own and runs this kernel with ``with_dq=False`` (dK and dV only: four GEMMs a step, no dSᵀ
+tile in shared memory, no named barrier, producer warp 1 idle).
+
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
 inserted behind the kernel's back: it synchronises with mbarriers and one named barrier), and
@@ -580,6 +585,7 @@ def flash_bwd(
     first_store=False,
     ordered_store=False,
     head_splits=1,
+    with_dq=True,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -630,6 +636,11 @@ def flash_bwd(
     stores have landed, and adds into the others after their flags are up. A key block only
     waits for lower ones, which the GPU dispatches no later (blocks start in the order of their
     linear index), so a chain of waits ends at key block 0, which waits for nothing.
+
+    ``with_dq=False`` (dense layouts, one launch): dK and dV only, a kernel without the dQ
+    accumulator argument. A step is four GEMMs (no dSᵀ in shared memory, no named barrier,
+    producer warp 1 idle); dQ comes from a query-major pass of its own (the narrow windows of
+    example_gqa_sink_bwd_bhsd.py).
     """
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
@@ -642,6 +653,8 @@ def flash_bwd(
     # D = 64 the second path makes ptxas spill at ragged shapes (44-180 bytes at Sq 1000,
     # Sk 1300), so there every step runs in full, as without a window.
     skip_idle = left >= 0 and dim >= 128
+    if not with_dq and (packed or key_stride != 1 or first_store or ordered_store):
+        raise ValueError("with_dq=False is for one launch over the dense layouts")
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
     if head_splits > 1 and (packed or groups % head_splits):
@@ -756,7 +769,8 @@ def flash_bwd(
             acc_dp[r, c] = acc_s[r, c] * (acc_dp[r, c] - delta_shared[stage, c])
         T.copy(acc_s, acc_s_cast)
         T.copy(acc_dp, ds_cast)
-        T.copy(ds_cast, ds_shared[ds_buf, r0 : r0 + wg_keys, :])
+        if with_dq:
+            T.copy(ds_cast, ds_shared[ds_buf, r0 : r0 + wg_keys, :])
 
     @T.macro
     def dv_update(stage, acc_s_cast, dO_shared, dv):
@@ -865,20 +879,25 @@ def flash_bwd(
         T.wait_wgmma(0)  # dPᵀ is ready
         ds(r0, stage, ds_buf, acc_s, acc_dp, delta_shared, acc_s_cast, ds_cast, ds_shared)
         dv_update(stage, acc_s_cast, dO_shared, dv)
-        # dSᵀ was written by ordinary stores and is read by WGMMA (the async proxy): fence,
-        # then wait for the other warpgroup's half.
-        T.fence_proxy_async()
-        T.sync_threads(DS_READY, consumers)
-        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-        T.wait_wgmma(len(dq))  # dV is done: dO is free (the dQᵀ GEMMs may still run)
-        T.barrier_arrive(do_empty[stage])
-        dk_update(stage, ds_cast, Q_shared, dk)
-        T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
-        slot = i % dq_stages
-        T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        dq_store(wg, slot, dq, dq_shared)
-        T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
-        T.barrier_arrive(dq_full[slot])
+        if with_dq:
+            # dSᵀ was written by ordinary stores and is read by WGMMA (the async proxy): fence,
+            # then wait for the other warpgroup's half.
+            T.fence_proxy_async()
+            T.sync_threads(DS_READY, consumers)
+            dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+            T.wait_wgmma(len(dq))  # dV is done: dO is free (the dQᵀ GEMMs may still run)
+            T.barrier_arrive(do_empty[stage])
+            dk_update(stage, ds_cast, Q_shared, dk)
+            T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
+            slot = i % dq_stages
+            T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
+            dq_store(wg, slot, dq, dq_shared)
+            T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
+            T.barrier_arrive(dq_full[slot])
+        else:  # dK right behind dV
+            dk_update(stage, ds_cast, Q_shared, dk)
+            T.wait_wgmma(1)  # dV is done: dO is free
+            T.barrier_arrive(do_empty[stage])
         T.wait_wgmma(0)  # dK is done: Q is free
         T.barrier_arrive(q_empty[stage])
 
@@ -888,23 +907,32 @@ def flash_bwd(
         # dSᵀ is 0, so it zeroes that part, skips its four other GEMMs (half the tensor-core
         # work of the step is left to the other warpgroup) and computes only its share of dQᵀ,
         # which the other warpgroup's keys feed. It needs no Q or dO, and frees them at once.
+        # (``with_dq=False``: it only frees them.)
         K_shared, ds_shared, dq_shared = shared[0], shared[6], shared[7]
         q_empty, do_empty, dq_full, dq_empty = barriers[3:]
         r0 = wg * wg_keys
         ds_buf = i % 2
+        if not with_dq:
+            # No named barrier keeps the warpgroups in step here: wait until this step's Q and
+            # dO have landed before freeing them, or a run of idle steps would arrive for a
+            # later step of the same buffer and complete the other warpgroup's phase for it.
+            q_full, do_full = barriers[1:3]
+            T.mbarrier_wait_parity(q_full[i % num_stages], (i // num_stages) & 1)
+            T.mbarrier_wait_parity(do_full[i % num_stages], (i // num_stages) & 1)
         T.barrier_arrive(do_empty[i % num_stages])
         T.barrier_arrive(q_empty[i % num_stages])
-        for r, c in T.Parallel(wg_keys, block_N):
-            ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
-        T.fence_proxy_async()
-        T.sync_threads(DS_READY, consumers)
-        dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-        T.wait_wgmma(0)
-        slot = i % dq_stages
-        T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-        dq_store(wg, slot, dq, dq_shared)
-        T.fence_proxy_async()
-        T.barrier_arrive(dq_full[slot])
+        if with_dq:
+            for r, c in T.Parallel(wg_keys, block_N):
+                ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
+            T.fence_proxy_async()
+            T.sync_threads(DS_READY, consumers)
+            dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
+            T.wait_wgmma(0)
+            slot = i % dq_stages
+            T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
+            dq_store(wg, slot, dq, dq_shared)
+            T.fence_proxy_async()
+            T.barrier_arrive(dq_full[slot])
 
     @T.macro
     def epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV):
@@ -937,7 +965,7 @@ def flash_bwd(
         ds_cast = T.alloc_fragment([wg_keys, block_N], dtype)
         dk = T.alloc_fragment([wg_keys, dim], accum_dtype)
         dv = T.alloc_fragment([wg_keys, dim], accum_dtype)
-        dq = alloc_dq()
+        dq = alloc_dq() if with_dq else ()
         T.clear(dk)
         T.clear(dv)
         T.mbarrier_wait_parity(kv_full, 0)
@@ -981,8 +1009,10 @@ def flash_bwd(
         dO_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
         lse_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
         delta_shared = T.alloc_shared([num_stages, block_N], accum_dtype)
-        ds_shared = T.alloc_shared([2, block_M, block_N], dtype)
-        dq_shared = T.alloc_shared([dq_stages, dq_tile], accum_dtype)  # accumulator order
+        ds_shared = dq_shared = None  # with_dq=False: neither
+        if with_dq:
+            ds_shared = T.alloc_shared([2, block_M, block_N], dtype)
+            dq_shared = T.alloc_shared([dq_stages, dq_tile], accum_dtype)  # accumulator order
 
         # mbarriers. "full": producer warp 0 (32 threads) arrives and its TMA loads complete
         # the byte count; "empty": every consumer thread arrives once it no longer reads the
@@ -1041,7 +1071,7 @@ def flash_bwd(
                         barrier=do_full[stage],
                     )
                     T.barrier_arrive(do_full[stage])
-            elif tx < consumers + 64:
+            elif with_dq and tx < consumers + 64:
                 # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
                 # their P is 0).
                 reduce = (tx, seq, dq_full, dq_empty, dq_shared, dQ_accum)
@@ -1150,6 +1180,28 @@ def flash_bwd(
     def rows(bz):
         """The ``Rows`` of batch entry ``bz``."""
         return Rows(q_row=bz, k_row=bz, tile=bz, q_pad=seq_q_pad, kv_len=seq_kv, hi=hi, lo=lo)
+
+    if not with_dq:  # no dQ accumulator
+
+        @T.prim_func
+        def flash_bwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            dO: T.Tensor(q_shape, dtype),
+            lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+            Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+            dK: T.Tensor(dkv_shape, dkv_dtype),
+            dV: T.Tensor(dkv_shape, dkv_dtype),
+        ):
+            with T.Kernel(n_key_blocks, heads_kv * head_splits, batch, threads=threads) as (
+                bx,
+                by,
+                bz,
+            ):
+                thread_block(bx, by, rows(bz), Q, K, V, dO, lse2, Delta, None, dK, dV)
+
+        return flash_bwd
 
     if ordered_store:  # one more argument: the ready flags, one per dQ tile, zeroed
 
@@ -1514,6 +1566,13 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, config=No
     return run_backward(dout, q, k, v, out, lse, causal, softmax_scale, config)[:3]
 
 
+def grid_config(dim, batch, heads, heads_kv, seq_k, causal, window, device):
+    """``default_config`` for a dense backward's grid on ``device`` (its SM count)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = Grid(batch, heads_kv, heads // heads_kv, seq_k, causal, window[0] >= 0, num_sms)
+    return default_config(dim, fwd.device_arch(device), grid)
+
+
 def run_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, config=None, window=(-1, -1), layout="bshd"
 ):
@@ -1531,9 +1590,7 @@ def run_backward(
     dtype = dtype_name(q)
     cfg = config
     if not cfg:  # the default, for this grid
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = Grid(B, Hkv, H // Hkv, Sk, causal, window[0] >= 0, num_sms)
-        cfg = default_config(D, fwd.device_arch(q.device), grid)
+        cfg = grid_config(D, B, H, Hkv, Sk, causal, window, q.device)
     seq_q_pad = padded_len(Sq, cfg["block_N"])
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
