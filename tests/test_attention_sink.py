@@ -1014,13 +1014,15 @@ def test_dq_pass_takes_the_narrow_windows(window, pays):
 def test_dq_pass_builds_clean(D, window, Sq, Sk):
     """The dQ pass's kernels for sm_90a: ``flash_bwd_dq`` (TileLang's pipeline, WGMMA) and the
     hand-scheduled kernel with ``with_dq=False`` (setmaxnreg and mbarriers, no dQ tile, no
-    reduce-add), each without spills or a serialized WGMMA (ptxas); groups of 8."""
+    reduce-add), each without spills or a serialized WGMMA (ptxas); groups of 8. At D = 64 the
+    latter takes ``dkdv_config``'s tiles: one consumer warpgroup, two thread blocks an SM, whose
+    registers and shared memory fit twice."""
     from test_flash_bwd_fast import assert_clean_build, ptxas_report
 
     import harness
 
     bwd, fast = load_script(BWD), load_script(FAST_BWD)
-    cfg = fast.default_config(D)
+    cfg = bwd.dkdv_config(D, fast.default_config(D))
     kernels = bwd.dq_pass_kernels(1, 64, 8, Sq, Sk, D, *window, D**-0.5, "bfloat16", cfg)
     assert list(kernels) == ["flash_bwd_dq", "flash_bwd_dkdv"]
     built = {
@@ -1032,10 +1034,30 @@ def test_dq_pass_builds_clean(D, window, Sq, Sk):
     report = ptxas_report(src)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
     assert "Potential Performance Loss" not in report
-    src = built["flash_bwd_dkdv"].get_kernel_source()
+    dkdv = built["flash_bwd_dkdv"]
+    src = dkdv.get_kernel_source()
     assert "cp.reduce.async.bulk" not in src and "dq_store_or_add" not in src
     assert "setmaxnreg" in src or "warpgroup_reg_alloc" in src
-    assert_clean_build(built["flash_bwd_dkdv"])
+    if D == 64:
+        assert cfg["block_M"] == cfg["block_N"] == 64 and "__launch_bounds__(256, 2)" in src
+        report = assert_clean_build(dkdv, threads=256, consumer_regs=232)
+        static = int(re.search(r"(\d+) bytes smem", report).group(1))
+        # An H100 SM has 228 KB of shared memory, 1 KB of it reserved for each thread block.
+        assert 2 * (harness.dynamic_smem_bytes(dkdv) + static + 1024) <= 228 * 1024
+    else:
+        assert cfg == fast.default_config(D) and "__launch_bounds__(384, 1)" in src
+        assert_clean_build(dkdv)
+
+
+def test_two_thread_blocks_an_sm_only_without_dq():
+    """``ctas_per_sm=2`` is for the one-warpgroup dK/dV kernel: with 128 keys (two consumer
+    warpgroups) or with dQ the registers of two thread blocks do not fit."""
+    fast = load_script(FAST_BWD)
+    args = (1, 8, 256, 256, 64, True, 0.125, "bfloat16")
+    for kw in (dict(block_M=128), dict(block_M=64, with_dq=True), dict(block_M=64, ctas_per_sm=3)):
+        kw = {"ctas_per_sm": 2, "with_dq": False, **kw}
+        with pytest.raises(ValueError, match="ctas_per_sm"):
+            fast.flash_bwd.func.orig_func(*args, block_N=64, **kw)
 
 
 def test_backward_command_line_and_bad_input(capsys):

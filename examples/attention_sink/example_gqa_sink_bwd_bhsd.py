@@ -35,7 +35,8 @@ A narrow window (bounded on both sides, at most 128 keys wide: ``dq_pass_pays``)
   and keeps ``dQ = Σ dS K`` in registers, recomputing ``S`` and ``dP`` (three GEMMs a step),
   so dQ leaves in the input dtype: no float32 accumulator to zero, add into and convert, which
   on a narrow window costs more than the GEMMs it saves;
-- the hand-scheduled kernel with ``with_dq=False``: dK and dV only, four GEMMs a step.
+- the hand-scheduled kernel with ``with_dq=False``: dK and dV only, four GEMMs a step; at
+  D = 64 on tiles of 64 keys and 64 queries, two thread blocks an SM (``dkdv_config``).
 
 Why the sink changes nothing in 1–3: with ``lse`` including the sink, ``p_j = exp(s_j − lse)`` is
 already each key's probability, and ``dS_j = p_j (dP_j − Σ_k p_k dP_k)`` where the sum runs over
@@ -550,10 +551,27 @@ def dq_pass_pays(left, right):
     return left >= 0 and right >= 0 and left + right <= 128
 
 
+def dkdv_config(dim, cfg):
+    """The hand-scheduled kernel's tiles beside the dQ pass, from its dense default ``cfg``: at
+    D = 64, 64 keys a thread block, 64 queries a step and two thread blocks an SM. A key block
+    of b keys meets the queries of a window w keys wide in about b + w rows, so a tile computes
+    b·(b + w) scores for b·(w + 1) it needs: 67% of them at b = 64 and w = 128, 50% at b = 128.
+    D = 128 keeps its default: one warpgroup of 64 keys runs out of registers there.
+
+    Measured on an H100 (2026-11-24, bf16, H64/Hkv8, the whole backward as CUDA-graph replays,
+    against 128 keys and 128 queries a step): window (128, 0) S4096 1.06×, S8192 1.08×; at
+    (64, 64) S1000, whose small grid takes 64 keys and 128 queries a step, 1.63×. The same
+    64 × 64 tiles one thread block an SM: 0.92–0.94×; 64 keys and 128 queries two an SM:
+    1.01–1.02×."""
+    if dim != 64:
+        return cfg
+    return {**cfg, "block_M": 64, "block_N": 64, "ctas_per_sm": 2}
+
+
 def dq_pass_kernels(B, H, Hkv, Sq, Sk, D, left, right, softmax_scale, dtype, cfg):
     """The dQ pass's kernels, name → (factory, arguments, keyword arguments), in launch order:
     ``flashattn_bwd_dq`` (delta, lse2 and dQ), then the hand-scheduled kernel with ``cfg``
-    (its ``default_config``) and ``with_dq=False`` (dK, dV), and with ``head_splits`` > 1 the
+    (``dkdv_config`` of its default) and ``with_dq=False`` (dK, dV), and with ``head_splits`` > 1 the
     sum of its float32 parts."""
     seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     dq_args = (B, H, Hkv, Sq, Sk, seq_q_pad, D, left, right, softmax_scale, dtype)
@@ -577,7 +595,7 @@ def run_backward_dq_pass(dout, q, k, v, out, lse, softmax_scale, config, window)
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     cfg = config
     if not cfg:  # the default, for this grid (as run_backward chooses it)
-        cfg = fast_bwd.grid_config(D, B, H, Hkv, Sk, False, window, q.device)
+        cfg = dkdv_config(D, fast_bwd.grid_config(D, B, H, Hkv, Sk, False, window, q.device))
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
@@ -864,7 +882,7 @@ def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a", strategy="at
     cfg = default_config(D, arch, strategy)
     narrow = fwd.normalize_window(window, True, Sq, Sk)
     if strategy == "group" and dq_pass_pays(*narrow):
-        built = dq_pass_kernels(B, H, Hkv, Sq, Sk, D, *narrow, scale, dtype, cfg)
+        built = dq_pass_kernels(B, H, Hkv, Sq, Sk, D, *narrow, scale, dtype, dkdv_config(D, cfg))
         for name, (factory, args, kwargs) in built.items():
             kernels[name] = harness.compile_for(factory, arch, *args, **kwargs)
     elif strategy == "group":

@@ -586,6 +586,7 @@ def flash_bwd(
     ordered_store=False,
     head_splits=1,
     with_dq=True,
+    ctas_per_sm=1,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -641,6 +642,10 @@ def flash_bwd(
     accumulator argument. A step is four GEMMs (no dSᵀ in shared memory, no named barrier,
     producer warp 1 idle); dQ comes from a query-major pass of its own (the narrow windows of
     example_gqa_sink_bwd_bhsd.py).
+
+    ``ctas_per_sm=2`` (with ``block_M = 64`` and ``with_dq=False``): two thread blocks share an
+    SM, each with 232 registers a consumer thread; the short walks of a narrow window then
+    overlap one thread block's loads and epilogue with the other's GEMMs.
     """
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
@@ -670,9 +675,18 @@ def flash_bwd(
         seq_q_pad = padded_len(seq_q, block_N)
         q_shape = layout_shape(layout, batch, seq_q, heads, dim)
         kv_shape = layout_shape(layout, batch, seq_kv, heads_kv, dim)
+    if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and (block_M != 64 or with_dq)):
+        raise ValueError(
+            f"ctas_per_sm must be 1, or 2 with block_M = 64 and with_dq=False; got {ctas_per_sm}"
+        )
     wg_keys = 64  # keys per consumer warpgroup: the M of its WGMMAs
     consumers = block_M // wg_keys * 128
     threads = consumers + 128  # and one producer warpgroup
+    # Two thread blocks an SM split the register file: each one's consumers take what its
+    # producer gives up of half of it (232 registers for one consumer warpgroup).
+    consumer_regs = CONSUMER_REGS
+    if ctas_per_sm > 1:
+        consumer_regs = (65536 // ctas_per_sm - 128 * PRODUCER_REGS) // consumers // 8 * 8
     dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
     dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
 
@@ -1003,6 +1017,8 @@ def flash_bwd(
     @T.macro
     def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
+        if ctas_per_sm > 1:
+            T.annotate_min_blocks_per_sm(ctas_per_sm)
         K_shared = T.alloc_shared([block_M, dim], dtype)
         V_shared = T.alloc_shared([block_M, dim], dtype)
         Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -1094,7 +1110,7 @@ def flash_bwd(
                         dq_reduce(i, h, k, *reduce)
         else:
             # ----------------------------------------------------------- consumer warpgroups
-            T.set_max_nreg(CONSUMER_REGS, 1)
+            T.set_max_nreg(consumer_regs, 1)
             shared = (
                 K_shared,
                 V_shared,
