@@ -571,8 +571,8 @@ def dkdv_config(dim, cfg):
 def dq_pass_kernels(B, H, Hkv, Sq, Sk, D, left, right, softmax_scale, dtype, cfg):
     """The dQ pass's kernels, name → (factory, arguments, keyword arguments), in launch order:
     ``flashattn_bwd_dq`` (delta, lse2 and dQ), then the hand-scheduled kernel with ``cfg``
-    (``dkdv_config`` of its default) and ``with_dq=False`` (dK, dV), and with ``head_splits`` > 1 the
-    sum of its float32 parts."""
+    (``dkdv_config`` of its default) and ``with_dq=False`` (dK, dV), and with ``head_splits``
+    > 1 the sum of its float32 parts."""
     seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     dq_args = (B, H, Hkv, Sq, Sk, seq_q_pad, D, left, right, softmax_scale, dtype)
     kv_args = (B, H, Sq, Sk, D, False, softmax_scale, dtype)
