@@ -543,9 +543,10 @@ def dq_pass_pays(left, right):
     hand-scheduled kernel without dQ): a window bounded on both sides, at most 128 keys wide.
 
     Measured on an H100 (2026-11-24, bf16, causal windows, H64/Hkv8 unless stated; the whole
-    backward as CUDA-graph replays, against the ordered-store kernel): window (128, 0) D64
-    S4096 1.20×, S8192 1.13×, D128 S8192 1.06×; (64, 64) S1000 D64 1.06×; (256, 0) D64 1.02×,
-    D128 0.99×; (512, 0) D64 0.96×; (1024, 0) D128 B2 H32 0.92×. The pass recomputes Sᵀ and dPᵀ
+    backward as CUDA-graph replays, against the ordered-store kernel; the dK/dV kernel on its
+    dense default tiles, before ``dkdv_config``): window (128, 0) D64 S4096 1.20×, S8192
+    1.13×, D128 S8192 1.06×; (64, 64) S1000 D64 1.06×; (256, 0) D64 1.02×, D128 0.99×;
+    (512, 0) D64 0.96×; (1024, 0) D128 B2 H32 0.92×. The pass recomputes Sᵀ and dPᵀ
     (three GEMMs where the fused kernel has one), which a wide window's long walks pay for; a
     narrow one's short walks spend more on the float32 dQ accumulator's traffic."""
     return left >= 0 and right >= 0 and left + right <= 128

@@ -644,8 +644,8 @@ def flash_bwd(
     example_gqa_sink_bwd_bhsd.py).
 
     ``ctas_per_sm=2`` (with ``block_M = 64`` and ``with_dq=False``): two thread blocks share an
-    SM, each with 232 registers a consumer thread; the short walks of a narrow window then
-    overlap one thread block's loads and epilogue with the other's GEMMs.
+    SM, each with 232 registers a consumer thread, so that one's loads and epilogue can run
+    beside the other's GEMMs on the short walks of a narrow window.
     """
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
