@@ -95,8 +95,8 @@ runs it that way.
 
 A window of a few key blocks needs little of the kernel's dQ half and pays most for its float32
 accumulator: example_gqa_sink_bwd_bhsd.py computes dQ for such windows in a query-major pass of
-its own and runs this kernel with ``with_dq=False`` (dK and dV only: four GEMMs a step, no dSᵀ
-tile in shared memory, no named barrier, producer warp 1 idle).
+its own and runs this kernel with ``with_dq=False`` (dK and dV only; ``flash_bwd`` says what it
+drops).
 
 TileLang needs three things to let the kernel own the schedule: ``TL_DISABLE_WARP_SPECIALIZED``
 (no automatic producer/consumer split), ``TL_DISABLE_THREAD_STORAGE_SYNC`` (no barriers
