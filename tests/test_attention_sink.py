@@ -975,9 +975,9 @@ def test_dq_pass_loop_matches_autograd(Sq, Sk, window, causal, tile):
 )
 def test_backward_builds_for_sm90(window, kernels, capsys):
     """--compile-only builds every kernel of a training step (a causal window, Sq != Sk). The
-    backward (strategy group, the default): a window wider than 128 keys takes the fused kernel,
-    which adds dQ with the bulk reduce-add; a narrower one the dQ pass, whose two kernels add
-    nothing anywhere, and the hand-scheduled kernel without its dQ half."""
+    backward (strategy group, the default) at D128: a window wider than 128 keys takes the
+    fused kernel, which adds dQ with the bulk reduce-add; a narrower one the dQ pass, whose two
+    kernels add nothing anywhere, and the hand-scheduled kernel without its dQ half."""
     load_script(BWD).main(
         ["--compile-only", "--seq_len", "1000", "--seq_len_k", "777", "--heads", "8",
          "--window", *map(str, window), "--causal", "--dim", "128"]
@@ -999,12 +999,13 @@ def test_backward_builds_for_sm90(window, kernels, capsys):
 
 
 @pytest.mark.parametrize(
-    "window,pays",
-    [((128, 0), True), ((64, 64), True), ((0, 0), True), ((129, 0), False), ((256, 0), False),
-     ((1024, 0), False), ((-1, 0), False), ((16, -1), False), ((-1, -1), False)],
+    "window,dim,pays",
+    [((128, 0), 128, True), ((64, 64), 128, True), ((0, 0), 128, True), ((129, 0), 128, False),
+     ((256, 0), 64, True), ((192, 64), 64, True), ((257, 0), 64, False), ((256, 0), 128, False),
+     ((1024, 0), 64, False), ((-1, 0), 64, False), ((16, -1), 64, False), ((-1, -1), 128, False)],
 )  # fmt: skip
-def test_dq_pass_takes_the_narrow_windows(window, pays):
-    assert load_script(BWD).dq_pass_pays(*window) is pays
+def test_dq_pass_takes_the_narrow_windows(window, dim, pays):
+    assert load_script(BWD).dq_pass_pays(*window, dim) is pays
 
 
 @pytest.mark.parametrize(
@@ -1100,6 +1101,10 @@ def test_backward_command_line_and_bad_input(capsys):
         (2, 1000, 777, 8, 8, 64, (0, 0), False, True, torch.bfloat16),
         (2, 17, 4096, 8, 2, 64, (100, 28), False, True, torch.bfloat16),
         (1, 4096, 4096, 8, 1, 128, (128, 0), True, True, torch.bfloat16),
+        # Up to 256 keys wide at D64: the dQ pass; at D128 the same window takes the fused kernel.
+        (2, 1000, 1000, 8, 2, 64, (256, 0), True, True, torch.float16),
+        (2, 777, 1000, 8, 8, 64, (192, 64), False, True, torch.bfloat16),
+        (2, 1000, 1000, 8, 2, 128, (256, 0), True, True, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("strategy", ["group", "atomic"])

@@ -27,8 +27,9 @@ probabilities from ``lse``, FlashAttention-2 style, in four kernels:
 4. ``dsinks[h] = −Σ_rows p_sink · delta`` with ``p_sink = exp(sinks[h] − lse)``: one thread
    block per head (``flashattn_bwd_sinks``).
 
-A narrow window (bounded on both sides, at most 128 keys wide: ``dq_pass_pays``) takes the
-``group`` path in two kernels instead of 1–3, FlashAttention-2's other order for dQ:
+A narrow window (bounded on both sides, at most 256 keys wide at D = 64 and 128 at D = 128:
+``dq_pass_pays``) takes the ``group`` path in two kernels instead of 1–3, FlashAttention-2's
+other order for dQ:
 
 - the dQ pass (``flashattn_bwd_dq``, TileLang's automatic pipeline): a thread block per block of
   64 queries of one head sums their ``delta``, then walks the few key blocks of their window
@@ -538,18 +539,20 @@ def default_config(dim, arch="sm_90a", strategy="atomic"):
 DQ_PASS_CONFIG = dict(block_M=64, block_N=64, num_stages=1, threads=128)
 
 
-def dq_pass_pays(left, right):
+def dq_pass_pays(left, right, dim):
     """Whether the ``group`` backward takes the dQ pass (``flashattn_bwd_dq`` and the
-    hand-scheduled kernel without dQ): a window bounded on both sides, at most 128 keys wide.
+    hand-scheduled kernel without dQ): a window bounded on both sides, at most 256 keys wide
+    at D = 64 (where ``dkdv_config`` gives the dK/dV kernel its small tiles) and 128 at D = 128.
 
     Measured on an H100 (2026-11-24, bf16, causal windows, H64/Hkv8 unless stated; the whole
-    backward as CUDA-graph replays, against the ordered-store kernel; the dK/dV kernel on its
-    dense default tiles, before ``dkdv_config``): window (128, 0) D64 S4096 1.20×, S8192
-    1.13×, D128 S8192 1.06×; (64, 64) S1000 D64 1.06×; (256, 0) D64 1.02×, D128 0.99×;
-    (512, 0) D64 0.96×; (1024, 0) D128 B2 H32 0.92×. The pass recomputes Sᵀ and dPᵀ
-    (three GEMMs where the fused kernel has one), which a wide window's long walks pay for; a
-    narrow one's short walks spend more on the float32 dQ accumulator's traffic."""
-    return left >= 0 and right >= 0 and left + right <= 128
+    backward as CUDA-graph replays, against the fused ordered-store kernel). The dK/dV kernel
+    on its dense default tiles: window (128, 0) D64 S4096 1.20×, S8192 1.13×, D128 S8192
+    1.06×; (64, 64) S1000 D64 1.06×; (256, 0) D64 1.02×, D128 0.99×; (512, 0) D64 0.96×;
+    (1024, 0) D128 B2 H32 0.92×. With ``dkdv_config``'s tiles at D64 S8192: (192, 0) 1.24×,
+    (256, 0) 1.06× (B8 S2048 1.09×), (384, 0) 0.99×. The pass recomputes Sᵀ and dPᵀ (three
+    GEMMs where the fused kernel has one), which a wide window's long walks pay for; a narrow
+    one's short walks spend more on the float32 dQ accumulator's traffic."""
+    return left >= 0 and right >= 0 and left + right <= (256 if dim == 64 else 128)
 
 
 def dkdv_config(dim, cfg):
@@ -649,7 +652,7 @@ def attention_backward(
         dsinks = None if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
     left, right = fwd.normalize_window(window_size, causal, Sq, Sk)
-    if strategy == "group" and dq_pass_pays(left, right):
+    if strategy == "group" and dq_pass_pays(left, right, D):
         dq, dk, dv, delta = run_backward_dq_pass(
             dout, q, k, v, out, lse, softmax_scale, config, (left, right)
         )
@@ -882,7 +885,7 @@ def compile_all(B, H, Hkv, Sq, Sk, D, window, dtype, arch="sm_90a", strategy="at
     kernels = {"flash_fwd": harness.compile_for(fwd.flashattn_fwd, arch, *fwd_args, **fwd_cfg)}
     cfg = default_config(D, arch, strategy)
     narrow = fwd.normalize_window(window, True, Sq, Sk)
-    if strategy == "group" and dq_pass_pays(*narrow):
+    if strategy == "group" and dq_pass_pays(*narrow, D):
         built = dq_pass_kernels(B, H, Hkv, Sq, Sk, D, *narrow, scale, dtype, dkdv_config(D, cfg))
         for name, (factory, args, kwargs) in built.items():
             kernels[name] = harness.compile_for(factory, arch, *args, **kwargs)
