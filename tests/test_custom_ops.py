@@ -1042,9 +1042,7 @@ def forward_only_call(script, device, requires_grad=()):
     arguments; ``requires_grad``: the positions of the arguments that get it (3: sinks)."""
     sink = "attention_sink" in script
     if "varlen" in script:
-        *qkv, cu_q, cu_k, Sq, Sk = inputs(
-            "flash_attention/example_gqa_fwd_varlen.py", device=device
-        )
+        *qkv, cu_q, cu_k, Sq, Sk = inputs(script, device=device)
         lengths = [cu_q, cu_k, Sq, Sk]
     else:
         qkv, lengths = list(inputs(SINK_FWD if sink else script, device=device)), []
