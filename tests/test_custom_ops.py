@@ -1031,6 +1031,95 @@ def test_eager_call_runs_eager_attention(script):
     compare(got[1:], want[1:], 2e-2, ["dq", "dk", "dv", "dsinks"][: len(leaves)])
 
 
+FORWARD_ONLY = [s for s in SCRIPTS if s not in BACKWARD] + [
+    SINK_FWD,
+    "attention_sink/example_gqa_sink_fwd_varlen.py",
+]
+
+
+def forward_only_call(script, device, requires_grad=()):
+    """The public function of a forward-only script on empty inputs, and its operator's tensor
+    arguments; ``requires_grad``: the positions of the arguments that get it (3: sinks)."""
+    sink = "attention_sink" in script
+    if "varlen" in script:
+        *qkv, cu_q, cu_k, Sq, Sk = inputs(script, device=device)
+        lengths = [cu_q, cu_k, Sq, Sk]
+    else:
+        qkv, lengths = list(inputs(SINK_FWD if sink else script, device=device)), []
+    tensors = [*qkv, torch.empty(qkv[0].shape[-2 if "varlen" in script else 1], device=device)]
+    tensors = [t.requires_grad_(i in requires_grad) for i, t in enumerate(tensors)]
+    sinks = tensors[3:] if sink else []
+    window = [(128, 0)] if sink else []
+
+    def call():
+        return public(script)(*tensors[:3], *lengths, *sinks, *window, True, 0.125)
+
+    return call, tensors[:3] + lengths + sinks
+
+
+@pytest.mark.parametrize(
+    "script", FORWARD_ONLY, ids=[s[s.index("/") + 1 : -3] for s in FORWARD_ONLY]
+)
+def test_forward_only_eager_call_skips_the_operator(script, monkeypatch):
+    """docs/CONVENTIONS.md, "Eager calls": a forward-only script's eager call that autograd does
+    not record runs the operator's body (``operator_forward``) with the operator's arguments;
+    one that autograd records (an input that requires grad, grad mode on) takes the operator,
+    whose backward is an error rather than a silent zero gradient."""
+    mod = load_script(script)
+    took = []
+
+    def recorder(name):
+        def record(*args):
+            took.append((name, args))
+            return torch.empty(0), torch.empty(0)
+
+        return record
+
+    monkeypatch.setattr(mod, "_check_inputs", lambda *a: None)  # CPU tensors, empty
+    monkeypatch.setattr(mod, "operator_forward", recorder("body"))
+    monkeypatch.setattr(mod, "attention_forward_op", recorder("operator"))
+    sink = "attention_sink" in script
+    cases = [((), True, "body"), ((0,), True, "operator"), ((2,), False, "body")]
+    cases += [((3,), True, "operator")] if sink else []
+    for requires_grad, grad_mode, expect in cases:
+        call, tensors = forward_only_call(script, "cpu", requires_grad)
+        with torch.set_grad_enabled(grad_mode):
+            call()
+        name, args = took.pop()
+        assert name == expect, (requires_grad, grad_mode)
+        assert all(a is t for a, t in zip(args, tensors, strict=False))
+    assert not took
+
+
+FORWARD_ONLY_GPU = [s for s in FORWARD_ONLY if "sm100" not in s]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script", FORWARD_ONLY_GPU, ids=[s[s.index("/") + 1 : -3] for s in FORWARD_ONLY_GPU]
+)
+def test_forward_only_eager_call_matches_the_operator(script):
+    """The eager call without the operator's dispatch gives the operator's outputs bit for bit
+    (the same kernel); with an input that requires grad the operator runs, and a backward
+    through it raises."""
+    mod = load_script(script)
+    torch.manual_seed(0)
+    call, tensors = forward_only_call(script, "cuda")
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.normal_()
+    out = call()
+    assert out.grad_fn is None
+    window = (128, 0) if "attention_sink" in script else ()
+    op_out, _ = mod.attention_forward_op(*tensors, *window, True, 0.125, None)
+    assert torch.equal(out, op_out)
+    tensors[0].requires_grad_()
+    recorded = call()
+    assert torch.equal(recorded, op_out)
+    with pytest.raises(RuntimeError, match="autograd"):
+        recorded.sum().backward()
+
+
 # ----------------------------------------------------------------------------- CPU: varlen sinks
 # example_gqa_sink_fwd_varlen.py: the varlen forward's arguments, then the sink forward's two.
 SINK_VARLEN = "attention_sink/example_gqa_sink_fwd_varlen.py"

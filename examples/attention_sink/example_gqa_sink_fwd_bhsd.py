@@ -755,8 +755,7 @@ def build_with_fallback(build, cfg, single, key):
 CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages", "ctas_per_sm")
 
 
-@torch.library.custom_op("tl_attn::gqa_sink_fwd_bhsd", mutates_args=())
-def attention_forward_op(
+def operator_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -770,6 +769,11 @@ def attention_forward_op(
     cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
     window = (window_size_left, window_size_right)
     return attention_forward(q, k, v, sinks, window, causal, softmax_scale, cfg)
+
+
+attention_forward_op = torch.library.custom_op(
+    "tl_attn::gqa_sink_fwd_bhsd", operator_forward, mutates_args=()
+)
 
 
 @attention_forward_op.register_fake
@@ -802,7 +806,15 @@ def attention(
     q, k, v = (t.contiguous() for t in (q, k, v))
     sinks = sinks if sinks is None else sinks.contiguous()
     tiles = [config[key] for key in CONFIG_KEYS] if config else None
-    out, lse = attention_forward_op(q, k, v, sinks, *window, causal, float(softmax_scale), tiles)
+    # Compiled code, fake tensors and calls autograd records take the operator (a backward
+    # through it is then an error, not a silent zero gradient); any other eager call runs its
+    # body without the operator's dispatch (docs/CONVENTIONS.md, "Eager calls").
+    eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
+    recorded = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, sinks)
+    )
+    forward = operator_forward if eager and not recorded else attention_forward_op
+    out, lse = forward(q, k, v, sinks, *window, causal, float(softmax_scale), tiles)
     return (out, lse) if return_lse else out
 
 

@@ -628,8 +628,7 @@ def attention_forward(
 CONFIG_KEYS = ("block_M", "block_N", "num_stages", "q_stages")
 
 
-@torch.library.custom_op("tl_attn::gqa_sink_fwd_varlen", mutates_args=())
-def attention_forward_op(
+def operator_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -651,6 +650,11 @@ def attention_forward_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sinks, window, causal, softmax_scale,
         cfg,
     )  # fmt: skip
+
+
+attention_forward_op = torch.library.custom_op(
+    "tl_attn::gqa_sink_fwd_varlen", operator_forward, mutates_args=()
+)
 
 
 @attention_forward_op.register_fake
@@ -696,7 +700,15 @@ def attention_varlen(
     q, k, v = (t.contiguous() for t in (q, k, v))
     sinks = sinks if sinks is None else sinks.contiguous()
     tiles = [config[key] for key in CONFIG_KEYS] if config else None
-    out, lse = attention_forward_op(
+    # Compiled code, fake tensors and calls autograd records take the operator (a backward
+    # through it is then an error, not a silent zero gradient); any other eager call runs its
+    # body without the operator's dispatch (docs/CONVENTIONS.md, "Eager calls").
+    eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
+    recorded = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, sinks)
+    )
+    forward = operator_forward if eager and not recorded else attention_forward_op
+    out, lse = forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, *window, causal,
         float(softmax_scale), tiles,
     )  # fmt: skip

@@ -465,8 +465,7 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
 CONFIG_KEYS = ("block_M", "block_N", "num_stages")
 
 
-@torch.library.custom_op("tl_attn::gqa_fwd_bshd", mutates_args=())
-def attention_forward_op(
+def operator_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -476,6 +475,11 @@ def attention_forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = dict(zip(CONFIG_KEYS, config, strict=True)) if config else None
     return attention_forward(q, k, v, causal, softmax_scale, cfg)
+
+
+attention_forward_op = torch.library.custom_op(
+    "tl_attn::gqa_fwd_bshd", operator_forward, mutates_args=()
+)
 
 
 @attention_forward_op.register_fake
@@ -495,7 +499,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, confi
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
     tiles = [config[key] for key in CONFIG_KEYS] if config else None
-    out, lse = attention_forward_op(q, k, v, causal, float(softmax_scale), tiles)
+    # Compiled code, fake tensors and calls autograd records take the operator (a backward
+    # through it is then an error, not a silent zero gradient); any other eager call runs its
+    # body without the operator's dispatch (docs/CONVENTIONS.md, "Eager calls").
+    eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    forward = operator_forward if eager and not recorded else attention_forward_op
+    out, lse = forward(q, k, v, causal, float(softmax_scale), tiles)
     return (out, lse) if return_lse else out
 
 
