@@ -185,10 +185,12 @@ def flashattn_fwd(
     q_shape = [batch, heads, seq_q, dim]
     kv_shape = [batch, heads_kv, seq_kv, dim]
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
-    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
-    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
-    # With ctas_per_sm thread blocks sharing an SM, each has its share of the file.
-    regs = 65536 // ctas_per_sm
+    # A thread block is given its share of the 64K-register file at launch (with ctas_per_sm
+    # thread blocks an SM, that many shares), a thread's share rounded down to a multiple of 8;
+    # setmaxnreg only moves registers among its warps (a request beyond that allocation waits
+    # forever). The producer keeps 24 a thread; the consumers share the rest (multiples of 8, at
+    # most 240): 240 for two consumer warpgroups, 160 for three, 232 for one of two thread blocks.
+    regs = 65536 // (ctas_per_sm * (consumers + 128)) // 8 * 8 * (consumers + 128)
     consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query

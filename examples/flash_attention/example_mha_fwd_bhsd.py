@@ -86,9 +86,12 @@ def flashattn_fwd(
     q_shape = [batch, heads, seq_q, dim]
     kv_shape = [batch, heads, seq_kv, dim]
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
-    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
-    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
-    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+    # A thread block is given the 64K-register file at launch, a thread's share rounded down to
+    # a multiple of 8; setmaxnreg only moves registers among its warps (a request beyond that
+    # allocation waits forever). The producer keeps 24 a thread; the consumers share the rest
+    # (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three, 112 for four.
+    regs = 65536 // (consumers + 128) // 8 * 8 * (consumers + 128)
+    consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
     # O leaves through shared memory and one TMA store when Q, the K/V ring and O all fit in the
     # 227 KiB an SM gives a block (D ≤ 128); otherwise (D=256) straight from registers.
     q_kv_bytes = 2 * dim * (block_M + 2 * num_stages * block_N)  # 16-bit elements

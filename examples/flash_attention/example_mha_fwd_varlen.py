@@ -130,9 +130,12 @@ def flashattn_fwd_varlen(
     # tile list (tile_schedule) is [rounds, grid, 3], and its grid is the launch grid.
     total_q, total_k, batch, rounds, grid = T.dynamic("total_q, total_k, batch, rounds, grid")
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
-    # The producer keeps 24 registers a thread; the consumers share the rest of the 64K-register
-    # file (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three.
-    consumer_regs = min(240, (65536 - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+    # A thread block is given the 64K-register file at launch, a thread's share rounded down to
+    # a multiple of 8; setmaxnreg only moves registers among its warps (a request beyond that
+    # allocation waits forever). The producer keeps 24 a thread; the consumers share the rest
+    # (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three, 112 for four.
+    regs = 65536 // (consumers + 128) // 8 * 8 * (consumers + 128)
+    consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
 
     def key_blocks(row0, seq_len_q, seq_len_k):
         # Key blocks the query block starting at row row0 of its sequence visits. At least one,
