@@ -48,7 +48,7 @@ def split(script, **tiles):
 
 
 CASES = [(s, dict(block_M=bm)) for s in FORWARDS for bm in (64, 128, 192, 256)] + [
-    (SINK_BHSD, dict(block_M=bm, q_stages=2, ctas_per_sm=2)) for bm in (64, 128)
+    (SINK_BHSD, dict(block_M=64, q_stages=2, ctas_per_sm=2))
 ]
 
 
@@ -62,6 +62,14 @@ def test_register_split_fits_the_launch_allocation(script, tiles):
     assert 128 * producer + (threads - 128) * consumer <= allocation
     # and takes what is left, to the multiple of 8 below it (the 240 cap aside)
     assert consumer == 240 or 128 * producer + (threads - 128) * (consumer + 8) > allocation
+
+
+@pytest.mark.parametrize("ctas_per_sm,block_M", [(3, 64), (2, 128), (0, 64)])
+def test_sink_forward_thread_blocks_an_sm(ctas_per_sm, block_M):
+    """Two thread blocks an SM only with 64-row tiles (the measured pairing); other counts are
+    refused before anything is built."""
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        split(SINK_BHSD, block_M=block_M, ctas_per_sm=ctas_per_sm)
 
 
 @pytest.mark.gpu

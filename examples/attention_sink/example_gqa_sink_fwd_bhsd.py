@@ -184,6 +184,10 @@ def flashattn_fwd(
     neg_inf = -T.infinity(accum_dtype)
     q_shape = [batch, heads, seq_q, dim]
     kv_shape = [batch, heads_kv, seq_kv, dim]
+    if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and block_M != 64):
+        # The measured pairing: 64-row tiles, one consumer warpgroup at 232 registers. Three
+        # thread blocks an SM ran once and then faulted (illegal address) under CUDA graphs.
+        raise ValueError(f"ctas_per_sm must be 1, or 2 with block_M = 64; got {ctas_per_sm}")
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
     # A thread block is given its share of the 64K-register file at launch (with ctas_per_sm
     # thread blocks an SM, that many shares), a thread's share rounded down to a multiple of 8;
