@@ -489,6 +489,7 @@ def flash_bwd_prep(
         dQ_accum: T.Tensor([batch, heads, seq_q_pad * dim], accum_dtype),  # flat per head
     ):
         with T.Kernel(T.ceildiv(seq_q_pad, block), heads, batch, threads=128) as (bx, by, bz):
+            T.pdl_trigger()  # the backward kernel may launch now (it waits for this grid's end)
             if zero_dq:
                 for t in T.Parallel(block * dim):
                     dQ_accum[bz, by, bx * block * dim + t] = 0
@@ -1019,6 +1020,11 @@ def flash_bwd(
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
         if ctas_per_sm > 1:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
+        # Programmatic dependent launch: this grid is launched while the one before it (the
+        # prep, or the dQ pass) finishes, and waits here, before it reads anything that grid
+        # wrote; its trigger lets the postprocess launch while this one's last blocks run.
+        T.pdl_trigger()
+        T.pdl_sync()
         K_shared = T.alloc_shared([block_M, dim], dtype)
         V_shared = T.alloc_shared([block_M, dim], dtype)
         Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -1334,6 +1340,7 @@ def flash_bwd_post(
         dQ: T.Tensor(layout_shape(layout, batch, seq_q, heads, dim), dtype),
     ):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+            T.pdl_sync()  # launched early (programmatic dependent launch): wait for the dQ tiles
             tile = T.alloc_shared([dim * block], accum_dtype)
             dq_out = T.alloc_shared([block, dim], dtype)
             # Swizzled, so that the scattered 16-bit writes below spread over the banks; the
