@@ -67,6 +67,15 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   than itself: the wait always ends. At a window's edges a step's queries may see none of one
   consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
   and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
+- The three kernels chain by programmatic dependent launch (``T.pdl_trigger`` /
+  ``T.pdl_sync``, CUDA's ``griddepcontrol``): a kernel that calls ``T.pdl_sync`` is launched
+  before the one ahead of it on the stream has finished, once every thread block of that one
+  has called ``T.pdl_trigger`` (or exited), and its threads wait at ``T.pdl_sync`` until that
+  grid has finished and its writes are visible. The backward kernel waits there before its
+  first load, the postprocess before it reads the dQ tiles; what comes before the wait (barrier
+  setup, the launch itself, the ramp of the next grid onto the SMs that free up) overlaps the
+  grid ahead. The arithmetic after the wait is unchanged: dK and dV come out bit for bit the
+  same, dQ within the rounding of its reduce-adds' order.
 
 A grid too small to fill the GPU (few kv heads and short sequences: a long walk per thread
 block on few SMs) takes 64 keys a thread block at D = 64 (``small_grid``): one consumer
