@@ -67,6 +67,15 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   than itself: the wait always ends. At a window's edges a step's queries may see none of one
   consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
   and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
+- The three kernels chain by programmatic dependent launch (``T.pdl_trigger`` /
+  ``T.pdl_sync``, CUDA's ``griddepcontrol``): a kernel that calls ``T.pdl_sync`` is launched
+  before the one ahead of it on the stream has finished, once every thread block of that one
+  has called ``T.pdl_trigger`` (or exited), and its threads wait at ``T.pdl_sync`` until that
+  grid has finished and its writes are visible. The backward kernel waits there before its
+  first load, the postprocess before it reads the dQ tiles; what comes before the wait (barrier
+  setup, the launch itself, the ramp of the next grid onto the SMs that free up) overlaps the
+  grid ahead. The arithmetic after the wait is unchanged: dK and dV come out bit for bit the
+  same, dQ within the rounding of its reduce-adds' order.
 
 A grid too small to fill the GPU (few kv heads and short sequences: a long walk per thread
 block on few SMs) takes 64 keys a thread block at D = 64 (``small_grid``): one consumer
@@ -489,6 +498,7 @@ def flash_bwd_prep(
         dQ_accum: T.Tensor([batch, heads, seq_q_pad * dim], accum_dtype),  # flat per head
     ):
         with T.Kernel(T.ceildiv(seq_q_pad, block), heads, batch, threads=128) as (bx, by, bz):
+            T.pdl_trigger()  # the backward kernel may launch now (it waits for this grid's end)
             if zero_dq:
                 for t in T.Parallel(block * dim):
                     dQ_accum[bz, by, bx * block * dim + t] = 0
@@ -1019,6 +1029,11 @@ def flash_bwd(
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
         if ctas_per_sm > 1:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
+        # Programmatic dependent launch: this grid is launched while the one before it (the
+        # prep, or the dQ pass) finishes, and waits here, before it reads anything that grid
+        # wrote; its trigger lets the postprocess launch while this one's last blocks run.
+        T.pdl_trigger()
+        T.pdl_sync()
         K_shared = T.alloc_shared([block_M, dim], dtype)
         V_shared = T.alloc_shared([block_M, dim], dtype)
         Q_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -1334,6 +1349,7 @@ def flash_bwd_post(
         dQ: T.Tensor(layout_shape(layout, batch, seq_q, heads, dim), dtype),
     ):
         with T.Kernel(T.ceildiv(seq_q, block), heads, batch, threads=128) as (bx, by, bz):
+            T.pdl_sync()  # launched early (programmatic dependent launch): wait for the dQ tiles
             tile = T.alloc_shared([dim * block], accum_dtype)
             dq_out = T.alloc_shared([block, dim], dtype)
             # Swizzled, so that the scattered 16-bit writes below spread over the banks; the
