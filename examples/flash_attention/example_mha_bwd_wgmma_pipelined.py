@@ -67,8 +67,9 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   than itself: the wait always ends. At a window's edges a step's queries may see none of one
   consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
   and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
-- The three kernels chain by programmatic dependent launch (``T.pdl_trigger`` /
-  ``T.pdl_sync``, CUDA's ``griddepcontrol``): a kernel that calls ``T.pdl_sync`` is launched
+- In the dense layouts the three kernels chain by programmatic dependent launch
+  (``T.pdl_trigger`` / ``T.pdl_sync``, CUDA's ``griddepcontrol``; the packed prep and
+  postprocess do not take part yet): a kernel that calls ``T.pdl_sync`` is launched
   before the one ahead of it on the stream has finished, once every thread block of that one
   has called ``T.pdl_trigger`` (or exited), and its threads wait at ``T.pdl_sync`` until that
   grid has finished and its writes are visible. The backward kernel waits there before its
@@ -1029,9 +1030,9 @@ def flash_bwd(
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
         if ctas_per_sm > 1:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
-        # Programmatic dependent launch: this grid is launched while the one before it (the
-        # prep, or the dQ pass) finishes, and waits here, before it reads anything that grid
-        # wrote; its trigger lets the postprocess launch while this one's last blocks run.
+        # Programmatic dependent launch: this grid may be launched before the one ahead of it
+        # (the prep) has finished, and waits here, before it reads anything that grid wrote;
+        # its trigger lets the postprocess launch while this one's last blocks run.
         T.pdl_trigger()
         T.pdl_sync()
         K_shared = T.alloc_shared([block_M, dim], dtype)
