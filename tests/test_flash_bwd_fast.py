@@ -189,8 +189,31 @@ def test_head_split_parts_are_summed_in_one_launch(layout, splits):
     if splits > 1:
         factory, args, kw = kernels["flash_bwd_post_kv"]
         src = harness.compile_for(factory, "sm_90a", 2, 16, *args, **kw).get_kernel_source()
-        assert "const float* __restrict__ dK_parts" in src and "bfloat16_t* __restrict__ dV" in src
+        # (it waits on the grid before it, T.pdl_sync, so TileLang drops __restrict__)
+        assert re.search(r"const float\* (__restrict__ )?dK_parts", src)
+        assert re.search(r"bfloat16_t\* (__restrict__ )?dV\b", src)
         assert "float4" in src and "< 125" in src  # 16-byte loads; 1000 keys = 125 × 8 rows
+        # launched while the postprocess runs: it waits before it reads a part
+        assert src.index("cudaGridDependencySynchronize()") < src.index("*(float4*)(dK_parts")
+
+
+def test_packed_kernels_chain_by_programmatic_dependent_launch():
+    """The packed (``thd``) prep lets the backward kernel launch early and the packed
+    postprocess waits for the backward kernel before it reads the dQ tiles, as in the dense
+    layouts (the schedule test above)."""
+    import harness
+
+    mod = load_script(FAST)
+    wait, trigger = "cudaGridDependencySynchronize()", "cudaTriggerProgrammaticLaunchCompletion()"
+    kernels = mod.backward_kernels(None, None, 64, True, 0.125, "bfloat16", mod.default_config(64),
+                                   4, (-1, -1), "thd")  # fmt: skip
+    src = {}
+    for name, (factory, args, kw) in kernels.items():
+        src[name] = harness.compile_for(factory, "sm_90a", None, 8, *args, **kw).get_kernel_source()
+    prep, bwd, post = src["flash_bwd_prep"], src["flash_bwd_varlen"], src["flash_bwd_post"]
+    assert trigger in prep and wait not in prep
+    assert bwd.index(trigger) < bwd.index(wait) < bwd.index("tma_load(")
+    assert trigger not in post and post.index(wait) < post.index("*(float4*)(dQ_accum")
 
 
 @pytest.mark.parametrize("kw", [dict(groups=8, head_splits=3), dict(groups=1, head_splits=2)])
@@ -239,6 +262,10 @@ def test_small_grid_takes_64_keys_a_thread_block(grid, block_M):
         (128, (1, 8, 4, 4096, True, False, 132), 4),  # 256
         (128, (1, 8, 4, 8192, True, False, 132), 2),  # 512
         (128, (2, 8, 4, 8192, True, False, 132), 1),  # 1024: eight an SM already
+        (128, (1, 8, 4, 16384, True, False, 132), 2),  # 1024, but key block 0 walks 1024 steps
+        (64, (1, 8, 8, 16384, True, False, 132), 2),  # the same at D64 (128 queries a step)
+        (64, (2, 8, 8, 8192, True, False, 132), 1),  # 1024 blocks, walks of 512 steps
+        (128, (1, 16, 1, 65536, True, False, 132), 1),  # MHA: nothing to split
         (128, (1, 8, 6, 4096, True, False, 132), 2),  # 4 does not divide 6
         (128, (1, 4, 8, 2048, False, False, 132), 8),  # full walks on half the SMs
         (128, (1, 4, 8, 4096, False, False, 132), 1),  # full walks on 128 of 132 SMs

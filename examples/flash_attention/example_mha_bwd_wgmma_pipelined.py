@@ -67,13 +67,13 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   than itself: the wait always ends. At a window's edges a step's queries may see none of one
   consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
   and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
-- In the dense layouts the three kernels chain by programmatic dependent launch
-  (``T.pdl_trigger`` / ``T.pdl_sync``, CUDA's ``griddepcontrol``; the packed prep and
-  postprocess do not take part yet): a kernel that calls ``T.pdl_sync`` is launched
+- The kernels chain by programmatic dependent launch (``T.pdl_trigger`` / ``T.pdl_sync``,
+  CUDA's ``griddepcontrol``), dense or packed: a kernel that calls ``T.pdl_sync`` is launched
   before the one ahead of it on the stream has finished, once every thread block of that one
   has called ``T.pdl_trigger`` (or exited), and its threads wait at ``T.pdl_sync`` until that
   grid has finished and its writes are visible. The backward kernel waits there before its
-  first load, the postprocess before it reads the dQ tiles; what comes before the wait (barrier
+  first load, the postprocess before it reads the dQ tiles (and the sum of a GQA split's
+  dK/dV parts, ``flash_bwd_post_kv``, before it reads them); what comes before the wait (barrier
   setup, the launch itself, the ramp of the next grid onto the SMs that free up) overlaps the
   grid ahead. The arithmetic after the wait is unchanged: dK and dV come out bit for bit the
   same, dQ within the rounding of its reduce-adds' order.
@@ -543,6 +543,7 @@ def _flash_bwd_prep_packed(heads, dim, dtype, block):
         dQ_accum: T.Tensor([n_tiles, heads, block * dim], accum_dtype),
     ):
         with T.Kernel(T.ceildiv(max_seqlen_q, block), heads, batch, threads=128) as (bx, by, bz):
+            T.pdl_trigger()  # as the dense prep: the backward kernel may launch now
             out_frag = T.alloc_fragment([block, dim], dtype)
             dout_frag = T.alloc_fragment([block, dim], dtype)
             prod = T.alloc_fragment([block, dim], accum_dtype)
@@ -1329,6 +1330,7 @@ def flash_bwd_post(
                 by,
                 bz,
             ):
+                T.pdl_sync()  # as the dense postprocess: wait for the dQ tiles
                 tile = T.alloc_shared([dim * block], accum_dtype)
                 dq_out = T.alloc_shared([block, dim], dtype)
                 q_offset = cu_seqlens_q[bz]  # first packed row of this sequence's queries
@@ -1395,6 +1397,9 @@ def flash_bwd_post_kv(
         dV: T.Tensor(kv_shape, dtype),
     ):
         with T.Kernel(T.ceildiv(seq_kv, block), heads_kv, batch, threads=128) as (bx, by, bz):
+            # Launched while the postprocess ahead of it runs; its end implies the backward
+            # kernel's (the postprocess waited for it), so the parts are written once this returns.
+            T.pdl_sync()
             sum_parts(dK_parts, dK, bx, by, bz)
             sum_parts(dV_parts, dV, bx, by, bz)
 
@@ -1469,8 +1474,8 @@ def default_config(dim, arch="sm_90a", grid=None):
             "for Blackwell see examples/flash_attention_sm100/"
         )
     block_M = 64 if grid is not None and small_grid(dim, *grid) else 128
-    splits = 1 if grid is None else grid_head_splits(block_M, *grid)
     block_N = 128 if dim <= 64 else 64
+    splits = 1 if grid is None else grid_head_splits(block_M, block_N, *grid)
     return dict(block_M=block_M, block_N=block_N, num_stages=2, dq_stages=1, head_splits=splits)
 
 
@@ -1512,12 +1517,14 @@ def small_grid(dim, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
     return blocks <= (2 * num_sms if groups == 1 and not windowed else num_sms // 2)
 
 
-def grid_head_splits(block_M, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
+def grid_head_splits(block_M, block_N, batch, heads_kv, groups, seq_k, causal, windowed, num_sms):
     """``head_splits`` for a dense GQA grid: the most (2, 4 or 8, dividing ``groups``) that
     keep the thread blocks at most eight an SM, for causal walks, or for full walks on a grid of
     at most half the SMs; 1 for windows and for larger full grids. A causal grid's first key
     blocks walk longest; shorter walks on more thread blocks balance the SMs, at the cost of
-    writing each part's dK and dV in float32 and summing them.
+    writing each part's dK and dV in float32 and summing them. A causal grid past eight thread
+    blocks an SM still takes two splits where its longest walk (key block 0: every query block
+    of every head of the group) is 1024 steps of ``block_N`` queries or more.
 
     Measured on an H100 (2026-11-24, bf16, graph replays, one process;
     benchmarks/results/bwd_head_splits.md), this default against the one before it (no splits,
@@ -1527,11 +1534,17 @@ def grid_head_splits(block_M, batch, heads_kv, groups, seq_k, causal, windowed, 
     at H64/Hkv8 S2048, 1.14× at H32/Hkv8 S4096; full walks D128 2.37× at H32/Hkv4 S2048 (64,
     8). Splits lost on full walks over 128 blocks (0.93-0.98× at H32/Hkv4 S4096 D128, so kept
     at 1 there), on windows (0.56-0.81×, window 128, 64 to 512 blocks) and were level at B2
-    H32/Hkv8 S2048 D64 causal (0.99× against 64 keys unsplit)."""
+    H32/Hkv8 S2048 D64 causal (0.99× against 64 keys unsplit). On causal grids of 1024 blocks
+    (2026-11-24, eager backward, five rounds; the same file), two splits against none: 1.022×
+    (bf16) and 1.025× (fp16) at B1 H32/Hkv8 S16384 D128 (walks of 1024 steps), 1.051× at B1
+    H64/Hkv8 S16384 D64 (1024); level at B2 S8192 D128 (512 steps: 0.99×, four splits 1.004×)
+    and B4 S4096 D128 (256: 0.995×, four 0.97×)."""
     blocks = (seq_k + block_M - 1) // block_M * heads_kv * batch
     if windowed or not (causal or blocks <= num_sms // 2):
         return 1
     fits = [n for n in (2, 4, 8) if groups % n == 0 and blocks * n <= 8 * num_sms]
+    if not fits and causal and groups % 2 == 0 and groups * -(-seq_k // block_N) >= 1024:
+        return 2  # past eight an SM, but key block 0's walk is long enough to halve
     return max(fits, default=1)
 
 
