@@ -16,6 +16,9 @@ from helpers import load_script, rel_err
 
 FAST = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
 SMEM_LIMIT = 232448  # bytes of shared memory one thread block may use on an H100
+# Programmatic dependent launch in CUDA source: a grid waiting for the one ahead of it, and a
+# grid letting the next one launch.
+WAIT, TRIGGER = "cudaGridDependencySynchronize()", "cudaTriggerProgrammaticLaunchCompletion()"
 
 
 def ptxas_report(source, arch="sm_90a"):
@@ -103,12 +106,11 @@ def test_generated_code_holds_the_schedule(dim, causal):
     # Programmatic dependent launch: the prep lets the backward kernel launch early, which waits
     # for the prep's end before its first load and lets the postprocess launch early, which
     # waits for the backward kernel's end before it reads the dQ tiles.
-    wait, trigger = "cudaGridDependencySynchronize()", "cudaTriggerProgrammaticLaunchCompletion()"
     prep, post = src["flash_bwd_prep"], src["flash_bwd_post"]
-    assert trigger in prep and wait not in prep
+    assert TRIGGER in prep and WAIT not in prep
     for kernel in [bwd] + ([src["flash_bwd_store"]] if causal else []):
-        assert kernel.index(trigger) < kernel.index(wait) < kernel.index("tma_load(")
-    assert trigger not in post and post.index(wait) < post.index("= *(float4*)(dQ_accum")
+        assert kernel.index(TRIGGER) < kernel.index(WAIT) < kernel.index("tma_load(")
+    assert TRIGGER not in post and post.index(WAIT) < post.index("= *(float4*)(dQ_accum")
     if causal:  # the same schedule, storing each tile with one bulk copy instead
         store = src["flash_bwd_store"]
         assert "tma_store_add" not in store and "wait_wgmma<1>" in store
@@ -194,7 +196,7 @@ def test_head_split_parts_are_summed_in_one_launch(layout, splits):
         assert re.search(r"bfloat16_t\* (__restrict__ )?dV\b", src)
         assert "float4" in src and "< 125" in src  # 16-byte loads; 1000 keys = 125 × 8 rows
         # launched while the postprocess runs: it waits before it reads a part
-        assert src.index("cudaGridDependencySynchronize()") < src.index("*(float4*)(dK_parts")
+        assert src.index(WAIT) < src.index("*(float4*)(dK_parts")
 
 
 def test_packed_kernels_chain_by_programmatic_dependent_launch():
@@ -204,16 +206,15 @@ def test_packed_kernels_chain_by_programmatic_dependent_launch():
     import harness
 
     mod = load_script(FAST)
-    wait, trigger = "cudaGridDependencySynchronize()", "cudaTriggerProgrammaticLaunchCompletion()"
     kernels = mod.backward_kernels(None, None, 64, True, 0.125, "bfloat16", mod.default_config(64),
                                    4, (-1, -1), "thd")  # fmt: skip
     src = {}
     for name, (factory, args, kw) in kernels.items():
         src[name] = harness.compile_for(factory, "sm_90a", None, 8, *args, **kw).get_kernel_source()
     prep, bwd, post = src["flash_bwd_prep"], src["flash_bwd_varlen"], src["flash_bwd_post"]
-    assert trigger in prep and wait not in prep
-    assert bwd.index(trigger) < bwd.index(wait) < bwd.index("tma_load(")
-    assert trigger not in post and post.index(wait) < post.index("*(float4*)(dQ_accum")
+    assert TRIGGER in prep and WAIT not in prep
+    assert bwd.index(TRIGGER) < bwd.index(WAIT) < bwd.index("tma_load(")
+    assert TRIGGER not in post and post.index(WAIT) < post.index("*(float4*)(dQ_accum")
 
 
 @pytest.mark.parametrize("kw", [dict(groups=8, head_splits=3), dict(groups=1, head_splits=2)])

@@ -1543,8 +1543,9 @@ def grid_head_splits(block_M, block_N, batch, heads_kv, groups, seq_k, causal, w
     if windowed or not (causal or blocks <= num_sms // 2):
         return 1
     fits = [n for n in (2, 4, 8) if groups % n == 0 and blocks * n <= 8 * num_sms]
-    if not fits and causal and groups % 2 == 0 and groups * -(-seq_k // block_N) >= 1024:
-        return 2  # past eight an SM, but key block 0's walk is long enough to halve
+    longest_walk = groups * ((seq_k + block_N - 1) // block_N)  # key block 0's steps
+    if not fits and causal and groups % 2 == 0 and longest_walk >= 1024:
+        return 2  # past eight an SM, but the longest walk is worth halving
     return max(fits, default=1)
 
 
