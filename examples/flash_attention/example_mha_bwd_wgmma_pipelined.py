@@ -1466,7 +1466,11 @@ def default_config(dim, arch="sm_90a", grid=None):
     and on the reduce-add lost at D128 S8192 and S16384 without a mask (up to 7%). Two thread
     blocks an SM (64 keys and 64 queries a step, 232 consumer registers) measured 0.95-0.98x on
     window-128 rows and lost to one thread block with 64 keys on small GQA grids (2026-11-24,
-    benchmarks/results/bwd_small_grid.md).
+    benchmarks/results/bwd_small_grid.md). Warp-role tests and WGMMA descriptors on a
+    warp-uniform thread index (TileLang's generated source rewritten, so ptxas keeps them in
+    uniform registers: 2472 instructions of SASS instead of 2744) measured 0.991-0.999x this kernel
+    in SM cycles on full rows and 1.015-1.046x on causal ones (2026-11-24,
+    benchmarks/results/kernel_cycles.md): not kept.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
