@@ -383,10 +383,11 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     128x176 0.92-0.96x, 128x192 0.81-0.94x this kernel on five D=128 rows.
     Skipping the O rescale in a warp none of whose rows changed its max (a warp vote; results
     bit-identical) measured 0.955-1.007x on eight rows (2026-11-24): not kept. Counted in SM
-    cycles under Nsight Compute, which repeat to 0.3% where timings move by percents
-    (2026-11-24, benchmarks/results/kernel_cycles.md): the pinned exponentials 0.987-1.015x this
-    kernel (gaining on causal rows only), with ping-pong 0.958-1.016x, and WGMMA descriptors
-    built on a warp-uniform thread index (the generated source rewritten) 0.986-0.995x.
+    cycles under Nsight Compute (a launch repeats to 0.3%, a rebuild moves them up to 1%;
+    2026-11-24, benchmarks/results/kernel_cycles.md): the pinned exponentials 0.987-1.015x this
+    kernel, with ping-pong 0.958-1.016x, WGMMA descriptors built on a warp-uniform thread index
+    (the generated source rewritten) 0.986-0.995x, causal tiles handed out by a global counter
+    as thread blocks free up (FlashAttention-3's scheduler) 1.004-1.012x.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
