@@ -1470,7 +1470,9 @@ def default_config(dim, arch="sm_90a", grid=None):
     warp-uniform thread index (TileLang's generated source rewritten, so ptxas keeps them in
     uniform registers: 2472 instructions of SASS instead of 2744) measured 0.991-0.999x this kernel
     in SM cycles on full rows and 1.015-1.046x on causal ones (2026-11-24,
-    benchmarks/results/kernel_cycles.md): not kept.
+    benchmarks/results/kernel_cycles.md): not kept. lse2 and delta copied into registers before
+    the waits for Sᵀ and dPᵀ (their loads then run under the GEMMs) measured 0.997-1.005x at
+    D=128 and 0.76x at D=64 (spills), in cycles, the same day: not kept.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
