@@ -156,7 +156,15 @@ VARLEN_LEADING = {
 }
 # Grid axes: the name each T.Kernel dimension is bound to, by what it counts (anything else: bx,
 # the block; heads_kv * head_splits: the kv heads, each in parts).
-GRID_NAMES = {"heads": "by", "heads_kv": "by", "heads_kv * head_splits": "by", "batch": "bz"}
+GRID_NAMES = {
+    "heads": "by",
+    "heads_kv": "by",
+    "heads_kv * head_splits": "by",
+    "batch": "bz",
+    # the hand-scheduled backward's interleaved grid: a row of a set of rows (heads), the set
+    "interleave": "by",
+    "n_rows // interleave": "bz",
+}
 RETIRED_NAMES = {"loop_st", "loop_ed", "q_first", "_dtype_name", "_forward", "_backward"}
 
 

@@ -284,6 +284,75 @@ def test_small_gqa_grids_split_the_group_heads(dim, grid, splits):
     assert mod.default_config(dim, "sm_90a")["head_splits"] == 1
 
 
+@pytest.mark.parametrize(
+    "dim,grid,interleave",
+    [  # (batch, kv heads, groups, Sk, causal, window bounded on the left, SMs)
+        (128, (4, 32, 1, 4096, True, False, 132), 4),  # 32 key blocks: 132 // 32 rows
+        (128, (2, 32, 1, 8192, True, False, 132), 2),  # 64 key blocks
+        (128, (1, 32, 1, 16384, True, False, 132), 1),  # 128: one row is a wave
+        (128, (4, 8, 4, 4096, True, False, 132), 4),  # GQA: a row is one kv head
+        (128, (1, 3, 1, 4096, True, False, 132), 3),  # every row, fewer than a wave holds
+        (128, (1, 5, 1, 2048, True, False, 132), 5),
+        (128, (1, 7, 1, 4096, True, False, 132), 1),  # 7 rows: no divisor from 2 to 4
+        (128, (2, 32, 1, 8192, False, False, 132), 1),  # full walks: every one as long
+        (128, (1, 8, 8, 8192, True, True, 132), 1),  # a window's band
+        (64, (2, 64, 1, 8192, True, False, 132), 2),
+    ],
+)
+def test_causal_grids_interleave_a_wave_of_rows(dim, grid, interleave):
+    """default_config's ``interleave`` (``grid_interleave``); none without a grid."""
+    mod = load_script(FAST)
+    assert mod.default_config(dim, "sm_90a", mod.Grid(*grid))["interleave"] == interleave
+    assert mod.default_config(dim, "sm_90a")["interleave"] == 1
+
+
+def test_interleaved_grid_builds_clean_and_orders_rows_first():
+    """interleave = 4 of 8 rows (B2 H4): the same clean build, on a grid of (4 rows, key
+    blocks, 2 sets of rows), so the GPU starts key block 0 of four rows before key block 1 of
+    any: K's load reads key block blockIdx.y of head blockIdx.x, batch entry blockIdx.z."""
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(128), interleave=4)
+    kernel = build(mod, 2, 4, 1000, 128, True, "bfloat16", **cfg)
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+    src = kernel.get_kernel_source()
+    k_load = re.search(r"tma_load\(K_desc,[^;]*;", src).group(0)
+    assert "(((int)blockIdx.y) * 128), ((int)blockIdx.x), ((int)blockIdx.z))" in k_load, k_load
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,causal,launches",
+    [
+        (1000, 777, True, ["flash_bwd"]),  # rows that see no key: no store stride
+        (1000, 1000, True, ["flash_bwd_store", "flash_bwd"]),  # two launches (p = 8)
+        (1000, 100, False, ["flash_bwd_store"]),  # one key block: one storing launch (p = 1)
+    ],
+)
+def test_interleave_reaches_only_the_plain_launch(Sq, Sk, causal, launches):
+    """backward_kernels hands ``interleave`` to the single launch that adds into a zeroed
+    accumulator; the store-stride launches keep their own grid order."""
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(128), interleave=8)
+    kernels = mod.backward_kernels(Sq, Sk, 128, causal, 0.1, "bfloat16", cfg)
+    assert [n for n in kernels if n in ("flash_bwd", "flash_bwd_store")] == launches
+    for name in launches:
+        expected = 8 if launches == ["flash_bwd"] else 1
+        assert kernels[name][2]["interleave"] == expected, name
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(interleave=3), dict(interleave=2, layout="thd"), dict(interleave=2, with_dq=False)]
+)
+def test_interleave_outside_the_plain_launch_raises(kw):
+    """interleave must divide the grid's rows (B2 H4: 8), and is for the plain dense launch."""
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(128), **kw)
+    with pytest.raises(ValueError, match="interleave"):
+        if cfg.pop("layout", None) == "thd":
+            build_packed(mod, 128, True, **cfg)
+        else:
+            build(mod, 2, 4, 1000, 128, True, **cfg)
+
+
 def test_tune_space_fits_shared_memory():
     """Every ``--tune`` configuration at D=128 builds and fits (80 queries a step leaves room
     for one dQ tile only)."""
@@ -702,6 +771,24 @@ def test_two_warpgroups_at_small_grids(case, poisoned_empty):
     explicitly), so that form stays covered on the ragged shapes too."""
     mod = load_script(FAST)
     check_case(mod, case, config=mod.default_config(64))
+
+
+INTERLEAVE_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale): one plain launch each
+    (2, 1000, 777, 4, 128, True, torch.bfloat16, 1),  # ragged, rows that see no key
+    (2, 1000, 777, 4, 64, True, torch.float16, 1),
+    (2, 4096, 4096, 4, 128, True, torch.float16, 1),  # no store stride past 16 key blocks
+    (1, 4096, 4096, 8, 64, True, torch.bfloat16, 10),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleave", [2, 4, 8])
+@pytest.mark.parametrize("case", INTERLEAVE_CASES, ids=_case_id)
+def test_interleaved_grid_gradients(case, interleave, poisoned_empty):
+    """The grid's rows interleaved (``interleave``, 8 rows each case) give the right
+    gradients: every thread block still takes one (key block, row) and all are taken."""
+    mod = load_script(FAST)
+    check_case(mod, case, config=dict(mod.default_config(case[4]), interleave=interleave))
 
 
 @pytest.mark.gpu
