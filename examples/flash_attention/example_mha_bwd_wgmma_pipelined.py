@@ -84,6 +84,14 @@ warpgroup (256 threads) that issues both parts of the dQᵀ tile itself, so the 
 postprocess keep the order of two. Twice the thread blocks, each step half as long, end the
 longest walk sooner.
 
+The GPU starts a grid's thread blocks in the order of their index. Causal, key block 0 walks
+every query block and the last key block almost none, so in the plain order (one head's key
+blocks, then the next head's) the last heads' longest walks start in the grid's last wave and
+run on while the other SMs have nothing left. A causal grid is therefore launched as (heads of
+a set, key blocks, sets): key block 0 of a few heads, then key block 1 of each, and so on, about
+one wave of thread blocks a set (``interleave``, ``grid_interleave``). A set is kept small so
+that the heads it walks at once still share their Q, dO and dQ tiles in L2.
+
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
@@ -1442,11 +1450,12 @@ def default_config(dim, arch="sm_90a", grid=None):
     """Backward tiles: ``block_M`` keys per thread block (two consumer warpgroups of 64, or one
     for 64), ``block_N`` queries per step, ``num_stages`` Q/dO buffers, ``dq_stages`` dQ tiles
     in shared memory, ``head_splits`` thread blocks sharing a GQA group's query heads (1: one
-    walks them all).
+    walks them all), ``interleave`` grid rows whose key blocks launch in turn (1: row by row).
 
     ``grid`` (a ``Grid``), where the caller knows the shape: a grid too small to fill the GPU
     takes 64 keys a thread block (``small_grid``) and shares a GQA group's heads out over
-    ``head_splits`` thread blocks a key block (``grid_head_splits``).
+    ``head_splits`` thread blocks a key block (``grid_head_splits``); a causal grid takes about a
+    wave of rows at a time, key block by key block (``grid_interleave``).
 
     Measured on an H100 (2026-11-22, fp16, the backward as ``attention``'s autograd runs it, one
     process): D=128 takes 64 queries a step (80, FlashAttention-3's choice for non-causal,
