@@ -1619,7 +1619,8 @@ def grid_interleave(
     interleaving. SM cycles of the main kernel under Nsight Compute (bf16, D = 128 unless said):
     causal B4 H32 S4096 1.022× fewer (SMs active 95.6% → 97.8%), B2 S8192 1.023×, B1 S16384
     level (one wave is one row there); GQA H32/Hkv8 B4 S4096 1.099× (4 of 32 rows; active
-    86.7% → 97.5%), B2 S8192 1.091× (2 of 16); D = 64, H64: 0.997–1.005×. Interleaving more
+    86.7% → 97.5%), B2 S8192 1.091× (2 of 16); GQA H64/Hkv8 D = 64 B4 S4096 1.127×, B2 S8192
+    1.110×; MHA D = 64, H64: 0.997–1.005×. Interleaving more
     rows than a wave holds gained no more on MHA and less on GQA (S8192: 1.058× with 4, 1.050×
     with 8): the rows walked at once share their Q, dO and dQ tiles in L2 while they are few.
     Without a mask (every walk equal) it measured 0.995–0.997× (B2 S8192, 2 to 8 rows), so full
