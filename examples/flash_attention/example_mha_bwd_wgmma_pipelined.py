@@ -1638,14 +1638,10 @@ def grid_interleave(
 def tune_configs(dim):
     """The space ``--tune`` compares: queries a step, one or two dQ tiles (80 queries leave
     shared memory for one)."""
+    fixed = dict(block_M=128, num_stages=2, head_splits=1, interleave=1)
     if dim <= 64:
-        return [
-            dict(block_M=128, block_N=128, num_stages=2, dq_stages=n, head_splits=1) for n in (1, 2)
-        ]
-    return [
-        dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n, head_splits=1)
-        for bn, n in ((64, 1), (64, 2), (80, 1))
-    ]
+        return [dict(fixed, block_N=128, dq_stages=n) for n in (1, 2)]
+    return [dict(fixed, block_N=bn, dq_stages=n) for bn, n in ((64, 1), (64, 2), (80, 1))]
 
 
 # ----------------------------------------------------------------------------- torch-facing
