@@ -698,7 +698,7 @@ def attention_backward(
 # keys depend on the strategy, so CONFIG_KEYS holds one order per strategy; "group" runs
 # example_mha_bwd_wgmma_pipelined.py's plain attention_backward inside this script's operator.
 CONFIG_KEYS = {
-    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages, head_splits
+    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages, head_splits, …
     "atomic": ("block_M", "block_N", "num_stages", "threads"),
     "split": ("block_M", "block_N", "num_stages", "threads"),
 }

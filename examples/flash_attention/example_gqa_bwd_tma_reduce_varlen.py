@@ -259,7 +259,7 @@ def _device_sequence_order(cu_seqlens_q, cu_seqlens_k, causal, block_M, block_N,
 # read them run in the forward operator's real implementation, never in traced code. Its
 # autograd formula saves q, k, v, out, lse and both cu_seqlens, and
 # calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
-CONFIG_KEYS = fast_bwd.CONFIG_KEYS  # ("block_M", "block_N", "num_stages", "dq_stages")
+CONFIG_KEYS = fast_bwd.CONFIG_KEYS  # the hand-scheduled backward's
 
 
 @torch.library.custom_op("tl_attn::gqa_bwd_tma_reduce_varlen_forward", mutates_args=())

@@ -1638,10 +1638,11 @@ def grid_interleave(
 def tune_configs(dim):
     """The space ``--tune`` compares: queries a step, one or two dQ tiles (80 queries leave
     shared memory for one)."""
-    fixed = dict(block_M=128, num_stages=2, head_splits=1, interleave=1)
-    if dim <= 64:
-        return [dict(fixed, block_N=128, dq_stages=n) for n in (1, 2)]
-    return [dict(fixed, block_N=bn, dq_stages=n) for bn, n in ((64, 1), (64, 2), (80, 1))]
+    pairs = ((128, 1), (128, 2)) if dim <= 64 else ((64, 1), (64, 2), (80, 1))
+    return [
+        dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n, head_splits=1, interleave=1)
+        for bn, n in pairs
+    ]
 
 
 # ----------------------------------------------------------------------------- torch-facing
@@ -1828,7 +1829,7 @@ def run_backward_varlen(
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
 # example_mha_bwd_bshd.py: the forward operator's autograd formula saves q, k, v, out, lse and
 # calls the backward operator, which gets the config (backward tiles) in CONFIG_KEYS order.
-CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages", "head_splits")
+CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages", "head_splits", "interleave")
 
 
 @torch.library.custom_op("tl_attn::mha_bwd_wgmma_pipelined_forward", mutates_args=())
