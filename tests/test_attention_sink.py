@@ -1008,6 +1008,15 @@ def test_dq_pass_takes_the_narrow_windows(window, dim, pays):
     assert load_script(BWD).dq_pass_pays(*window, dim) is pays
 
 
+def test_dq_pass_keeps_its_grid_order():
+    """A config's ``interleave`` (the order of the hand-scheduled backward's launches with dQ)
+    does not reach the dQ pass's dK/dV-only launch, whose kernel refuses it."""
+    bwd, fast = load_script(BWD), load_script(FAST_BWD)
+    cfg = dict(bwd.dkdv_config(64, fast.default_config(64)), interleave=4)
+    kernels = bwd.dq_pass_kernels(1, 64, 8, 4096, 4096, 64, 128, 0, 0.125, "bfloat16", cfg)
+    assert kernels["flash_bwd_dkdv"][2]["interleave"] == 1
+
+
 @pytest.mark.parametrize(
     "D,window,Sq,Sk",
     [(64, (128, 0), 4096, 4096), (128, (128, 0), 1000, 777), (64, (64, 64), 255, 1000)],

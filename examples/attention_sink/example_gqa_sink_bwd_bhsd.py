@@ -580,7 +580,8 @@ def dq_pass_kernels(B, H, Hkv, Sq, Sk, D, left, right, softmax_scale, dtype, cfg
     seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     dq_args = (B, H, Hkv, Sq, Sk, seq_q_pad, D, left, right, softmax_scale, dtype)
     kv_args = (B, H, Sq, Sk, D, False, softmax_scale, dtype)
-    kv_kw = {**cfg, "groups": H // Hkv, "window": (left, right), "layout": "bhsd"}
+    # (the dK/dV-only launch keeps its grid order: ``interleave`` is for the launches with dQ)
+    kv_kw = {**cfg, "groups": H // Hkv, "window": (left, right), "layout": "bhsd", "interleave": 1}
     kernels = {
         "flash_bwd_dq": (flashattn_bwd_dq, dq_args, DQ_PASS_CONFIG),
         "flash_bwd_dkdv": (fast_bwd.flash_bwd, kv_args, {**kv_kw, "with_dq": False}),
@@ -689,7 +690,7 @@ def attention_backward(
 # The strategy travels as a string, settled before the call (as in example_gqa_bwd.py); a
 # config's keys depend on it.
 CONFIG_KEYS = {
-    "group": fast_bwd.CONFIG_KEYS,  # block_M, block_N, num_stages, dq_stages
+    "group": fast_bwd.CONFIG_KEYS,  # the hand-scheduled backward's
     "atomic": ("block_M", "block_N", "num_stages", "threads"),
 }
 
