@@ -1623,10 +1623,11 @@ def grid_interleave(
     1.110×; MHA D = 64, H64: 0.997–1.005×. Interleaving more rows than a wave holds gained no
     more on MHA and less on GQA (S8192: 1.058× with 4, 1.050× with 8): the rows walked at once
     share their Q, dO and dQ tiles in L2 while they are few. Without a mask (every walk equal)
-    it measured 0.995–0.997× (B2 S8192, 2 to 8 rows), so full walks keep the plain order. Timed (the whole backward, one process, bf16 / fp16, against
-    cuDNN): MHA B4 S4096 1.068 / 1.086× against 1.042 / 1.051× without, B2 S8192 1.071 / 1.051×
-    against 1.042 / 1.041×; GQA B4 S4096 1.089 / 1.068× against 1.030 / 1.005×, B2 S8192
-    1.045 / 1.045× against 1.019 / 1.002×."""
+    it measured 0.995–0.997× (B2 S8192, 2 to 8 rows), so full walks keep the plain order.
+    Timed (the whole backward, one process, bf16 / fp16, against cuDNN): MHA B4 S4096 1.068 /
+    1.086× against 1.042 / 1.051× without, B2 S8192 1.071 / 1.051× against 1.042 / 1.041×; GQA
+    B4 S4096 1.089 / 1.068× against 1.030 / 1.005×, B2 S8192 1.045 / 1.045× against 1.019 /
+    1.002×."""
     if not causal or windowed:
         return 1
     rows = heads_kv * head_splits * batch
