@@ -319,31 +319,49 @@ def test_interleaved_grid_builds_clean_and_orders_rows_first():
     assert "(((int)blockIdx.y) * 128), ((int)blockIdx.x), ((int)blockIdx.z))" in k_load, k_load
 
 
+def test_interleaved_adds_of_a_store_stride_build_clean():
+    """The second launch of a store stride (p = 8: key blocks 1-7, 9-15, …) interleaved: K's
+    load reads key block ``key_block(blockIdx.y)`` of head blockIdx.x."""
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(128), interleave=4)
+    kernel = build(mod, 2, 4, 2048, 128, True, "bfloat16", key_stride=8, **cfg)
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+    k_load = re.search(r"tma_load\(K_desc,[^;]*;", kernel.get_kernel_source()).group(0)
+    assert "((int)blockIdx.y) / 7)" in k_load and "((int)blockIdx.y) % 7)" in k_load, k_load
+    assert ", ((int)blockIdx.x), ((int)blockIdx.z))" in k_load, k_load
+
+
 @pytest.mark.parametrize(
     "Sq,Sk,causal,launches",
     [
         (1000, 777, True, ["flash_bwd"]),  # rows that see no key: no store stride
-        (1000, 1000, True, ["flash_bwd_store", "flash_bwd"]),  # two launches (p = 8)
+        (1000, 1000, True, ["flash_bwd_store", "flash_bwd"]),  # two launches (p = 8): the adds
         (1000, 100, False, ["flash_bwd_store"]),  # one key block: one storing launch (p = 1)
     ],
 )
 def test_interleave_reaches_only_the_plain_launch(Sq, Sk, causal, launches):
-    """backward_kernels hands ``interleave`` to the single launch that adds into a zeroed
-    accumulator; the store-stride launches keep their own grid order."""
+    """backward_kernels hands ``interleave`` to the launch that adds (the single plain one, or
+    the second of a store stride); the storing launch keeps its own grid order."""
     mod = load_script(FAST)
     cfg = dict(mod.default_config(128), interleave=8)
     kernels = mod.backward_kernels(Sq, Sk, 128, causal, 0.1, "bfloat16", cfg)
     assert [n for n in kernels if n in ("flash_bwd", "flash_bwd_store")] == launches
     for name in launches:
-        expected = 8 if launches == ["flash_bwd"] else 1
-        assert kernels[name][2]["interleave"] == expected, name
+        assert kernels[name][2]["interleave"] == (8 if name == "flash_bwd" else 1), name
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(interleave=3), dict(interleave=2, layout="thd"), dict(interleave=2, with_dq=False)]
+    "kw",
+    [
+        dict(interleave=3),
+        dict(interleave=2, layout="thd"),
+        dict(interleave=2, with_dq=False),
+        dict(interleave=2, ordered_store=True, window=(64, 0)),
+    ],
 )
 def test_interleave_outside_the_plain_launch_raises(kw):
-    """interleave must divide the grid's rows (B2 H4: 8), and is for the plain dense launch."""
+    """interleave must divide the grid's rows (B2 H4: 8), and is for the plain dense launches
+    (not packed, not without dQ, not the ordered store)."""
     mod = load_script(FAST)
     cfg = dict(mod.default_config(128), **kw)
     with pytest.raises(ValueError, match="interleave"):
@@ -773,11 +791,13 @@ def test_two_warpgroups_at_small_grids(case, poisoned_empty):
     check_case(mod, case, config=mod.default_config(64))
 
 
-INTERLEAVE_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale): one plain launch each
+INTERLEAVE_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale), 8 grid rows each
     (2, 1000, 777, 4, 128, True, torch.bfloat16, 1),  # ragged, rows that see no key
     (2, 1000, 777, 4, 64, True, torch.float16, 1),
     (2, 4096, 4096, 4, 128, True, torch.float16, 1),  # no store stride past 16 key blocks
     (1, 4096, 4096, 8, 64, True, torch.bfloat16, 10),
+    (2, 1000, 1000, 4, 128, True, torch.bfloat16, 1),  # two launches (p = 8): the adds'
+    (4, 2048, 2048, 2, 64, True, torch.float16, 1),  # p = 16
 ]
 
 

@@ -668,8 +668,8 @@ def flash_bwd(
     SM, each with 232 registers a consumer thread, so that one's loads and epilogue can run
     beside the other's GEMMs on the short walks of a narrow window.
 
-    ``interleave`` (dense layouts, one launch without ``key_stride``; a divisor of the grid's
-    rows, a row being one kv head (or head split) of one batch entry): the grid takes that many
+    ``interleave`` (dense layouts, not ``ordered_store``; a divisor of the grid's rows, a row
+    being one kv head (or head split) of one batch entry): the grid takes that many
     rows at a time, key block 0 of each, then key block 1 of each, …, instead of one row's key
     blocks after the other's. The GPU starts thread blocks in the order of their index; where
     key block 0 walks longest (causal), the last row's longest walks would otherwise start in
@@ -690,9 +690,9 @@ def flash_bwd(
         raise ValueError("with_dq=False is for one launch over the dense layouts")
     if packed and (key_stride != 1 or first_store or ordered_store):
         raise ValueError("key_stride, first_store and ordered_store are for the dense layouts")
-    plain_launch = not packed and with_dq and key_stride == 1 and not (first_store or ordered_store)
+    plain_launch = not packed and with_dq and not ordered_store
     if interleave < 1 or (interleave > 1 and not plain_launch):
-        raise ValueError(f"interleave ({interleave}) must be 1 except for one plain dense launch")
+        raise ValueError(f"interleave ({interleave}) must be 1 except for the plain dense launches")
     if head_splits > 1 and (packed or groups % head_splits):
         raise ValueError(f"head_splits ({head_splits}) must divide groups ({groups}), dense only")
     if block_M not in (64, 128) or (block_M == 64 and dim > 64):
@@ -1319,8 +1319,8 @@ def flash_bwd(
             ):
                 row = bz * interleave + by
                 thread_block(
-                    bx, row % grid_rows, rows(row // grid_rows), Q, K, V, dO, lse2, Delta,
-                    dQ_accum, dK, dV,
+                    key_block(bx), row % grid_rows, rows(row // grid_rows), Q, K, V, dO, lse2,
+                    Delta, dQ_accum, dK, dV,
                 )  # fmt: skip
 
     return flash_bwd
@@ -2036,7 +2036,8 @@ def backward_kernels(
     packed = layout == "thd"
     seq_q_pad = None if packed else padded_len(seq_q, config["block_N"])
     bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
-    # ``interleave`` orders the single plain launch's grid; the other launches keep theirs.
+    # ``interleave`` orders the grid of the launch that adds (the single plain one, or the second
+    # of ``key_stride``'s); the storing and ordered launches keep theirs.
     bwd_kw = {**config, "groups": groups, "window": window, "layout": layout, "interleave": 1}
     prep_kw = {"layout": layout}
     if packed:  # one thread block a query tile, lse in the forward's layout
@@ -2060,7 +2061,8 @@ def backward_kernels(
         bwd_kw.update(key_stride=stride)
         kernels["flash_bwd_store"] = (flash_bwd, bwd_args, {**bwd_kw, "first_store": True})
         if stride > 1:  # key blocks left to add (p = 1: the first launch stored from all)
-            kernels["flash_bwd"] = (flash_bwd, bwd_args, bwd_kw)
+            add_kw = {**bwd_kw, "interleave": config.get("interleave", 1)}
+            kernels["flash_bwd"] = (flash_bwd, bwd_args, add_kw)
     kernels["flash_bwd_post"] = (
         flash_bwd_post,
         (seq_q, seq_q_pad, dim, softmax_scale, dtype),
