@@ -726,6 +726,31 @@ def test_sink_config_travels_as_its_values_in_config_keys_order(script, monkeypa
         assert received == [config]
 
 
+@pytest.mark.parametrize("script", [FAST_BWD, GQA_BWD, SINK_BWD])
+def test_hand_scheduled_config_may_leave_out_the_grid_choices(script, monkeypatch):
+    """A config for the hand-scheduled backward given without ``head_splits`` and
+    ``interleave`` (the grid-shaped choices) travels with their plain values, 1 and 1."""
+    mod = load_script(script)
+    passed = []
+    real_op = mod.attention_forward_op
+
+    def op(*args):
+        passed.append(args[-1])
+        return real_op(*args)
+
+    monkeypatch.setattr(mod, "attention_forward_op", op)
+    tiles = dict(block_M=128, block_N=64, num_stages=2, dq_stages=1)
+    with FakeTensorMode():
+        if script == SINK_BWD:
+            mod.attention(*sink_inputs(), (128, 0), True, strategy="group", config=tiles)
+        else:
+            kw = {"strategy": "group"} if script == GQA_BWD else {}
+            mod.attention(*inputs(script), config=tiles, **kw)
+    assert passed == [[128, 64, 2, 1, 1, 1]]
+    full = dict(tiles, head_splits=2, interleave=4)
+    assert load_script(FAST_BWD).config_values(full) == [128, 64, 2, 1, 2, 4]
+
+
 @pytest.mark.parametrize("script", SINK_SCRIPTS)
 @pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no_sinks"])
 def test_sink_no_graph_break(script, sinks):

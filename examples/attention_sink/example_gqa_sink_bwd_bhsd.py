@@ -819,7 +819,10 @@ def attention(
     window = [int(w) for w in window_size]  # (left, right): two int arguments of the operator
     q, k, v = (t.contiguous() for t in (q, k, v))
     sinks = sinks if sinks is None else sinks.contiguous()
-    tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
+    if strategy == "group":
+        tiles = fast_bwd.config_values(config)
+    else:
+        tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
     # Compiled code (and fake tensors) call the operator; an eager call on real tensors runs the
     # same formula as a plain Function (EagerAttention), without the operator's dispatch.
     eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()

@@ -800,9 +800,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, strategy=None, config=N
     if strategy is None:
         strategy = default_strategy(q.shape[-1], v.shape[-1], device_arch(q.device))
     q, k, v = (t.contiguous() for t in (q, k, v))
-    if config and strategy == "group":
-        config = {"head_splits": 1, **config}  # a given config need not split heads
-    tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
+    if strategy == "group":
+        tiles = fast_bwd.config_values(config)
+    else:
+        tiles = [config[key] for key in CONFIG_KEYS[strategy]] if config else None
     # Compiled code (and fake tensors) call the operator; an eager call on real tensors runs the
     # same formula as a plain Function (EagerAttention), without the operator's dispatch.
     eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()

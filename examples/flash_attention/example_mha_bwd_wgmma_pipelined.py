@@ -1832,6 +1832,16 @@ def run_backward_varlen(
 CONFIG_KEYS = ("block_M", "block_N", "num_stages", "dq_stages", "head_splits", "interleave")
 
 
+def config_values(config):
+    """A caller's config (a dict; None: the default) as the operators take it, its values in
+    CONFIG_KEYS order. The grid-shaped choices it may leave out take their plain values: no head
+    split, rows launched in order."""
+    if not config:
+        return None
+    config = {"head_splits": 1, "interleave": 1, **config}
+    return [config[key] for key in CONFIG_KEYS]
+
+
 @torch.library.custom_op("tl_attn::mha_bwd_wgmma_pipelined_forward", mutates_args=())
 def attention_forward_op(
     q: torch.Tensor,
@@ -1917,9 +1927,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    if config:
-        config = {"head_splits": 1, **config}  # a given config need not name it (MHA: 1)
-    tiles = [config[key] for key in CONFIG_KEYS] if config else None
+    tiles = config_values(config)
     # Compiled code (and fake tensors) call the operator; an eager call on real tensors runs the
     # same formula as a plain Function (EagerAttention), without the operator's dispatch.
     eager = type(q) is torch.Tensor and not torch.compiler.is_compiling()
