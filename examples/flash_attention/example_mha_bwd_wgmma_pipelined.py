@@ -37,11 +37,13 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
       wait_wgmma(1)    dQ is done: into shared memory for the producer's reduce-add
       wait_wgmma(0)    dK is done: release the Q buffer
 
-  so the exponentials run under the dPᵀ GEMM, and the dQ GEMM, its hand-off and the dK GEMM
-  overlap. dQ is computed transposed so that the head dim is the GEMM's M: each warpgroup
-  takes half of it (D = 128), or half of the queries (D = 64, where half the head dim would be
-  smaller than WGMMA's M of 64). The dQ tile is the kernel's heaviest shared-memory traffic,
-  so it is stored in the order the threads hold it (``accumulator_index``): every thread writes
+  so the exponentials may run under the dPᵀ GEMM (ptxas in fact moves that wait up to the first of
+  them; the other warpgroup's GEMMs keep the tensor cores busy meanwhile), and the dQ GEMM, its
+  hand-off and the dK GEMM overlap. dQ is computed transposed so that the head dim is the GEMM's
+  M: each warpgroup takes half of it (D = 128), or half of the queries (D = 64, where half the
+  head dim would be smaller than WGMMA's M of 64). The dQ tile is the kernel's heaviest shared-
+  memory traffic, so it is stored in the order the threads hold it (``accumulator_index``): every
+  thread writes
   16 bytes at a time and consecutive threads write consecutive addresses, which keeps the
   stores free of bank conflicts and makes the tile one contiguous block for the bulk
   reduce-add; the float32 accumulator keeps that order, one block per query block. dSᵀ is
