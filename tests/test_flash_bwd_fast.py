@@ -339,7 +339,7 @@ def test_interleaved_adds_of_a_store_stride_build_clean():
         (1000, 100, False, ["flash_bwd_store"]),  # one key block: one storing launch (p = 1)
     ],
 )
-def test_interleave_reaches_only_the_plain_launch(Sq, Sk, causal, launches):
+def test_interleave_reaches_only_the_adding_launch(Sq, Sk, causal, launches):
     """backward_kernels hands ``interleave`` to the launch that adds (the single plain one, or
     the second of a store stride); the storing launch keeps its own grid order."""
     mod = load_script(FAST)

@@ -2050,6 +2050,7 @@ def backward_kernels(
     bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
     # ``interleave`` orders the grid of the launch that adds (the single plain one, or the second
     # of ``key_stride``'s); the storing and ordered launches keep theirs.
+    interleave = config.get("interleave", 1)
     bwd_kw = {**config, "groups": groups, "window": window, "layout": layout, "interleave": 1}
     prep_kw = {"layout": layout}
     if packed:  # one thread block a query tile, lse in the forward's layout
@@ -2066,15 +2067,13 @@ def backward_kernels(
     elif packed:
         kernels["flash_bwd_varlen"] = (flash_bwd, bwd_args, bwd_kw)
     elif stride is None:
-        plain_kw = {**bwd_kw, "interleave": config.get("interleave", 1)}
-        kernels["flash_bwd"] = (flash_bwd, bwd_args, plain_kw)
+        kernels["flash_bwd"] = (flash_bwd, bwd_args, {**bwd_kw, "interleave": interleave})
     else:  # two launches (flash_bwd's key_stride): no zeroing in the prep
         prep_kw.update(zero_dq=False)
         bwd_kw.update(key_stride=stride)
         kernels["flash_bwd_store"] = (flash_bwd, bwd_args, {**bwd_kw, "first_store": True})
         if stride > 1:  # key blocks left to add (p = 1: the first launch stored from all)
-            add_kw = {**bwd_kw, "interleave": config.get("interleave", 1)}
-            kernels["flash_bwd"] = (flash_bwd, bwd_args, add_kw)
+            kernels["flash_bwd"] = (flash_bwd, bwd_args, {**bwd_kw, "interleave": interleave})
     kernels["flash_bwd_post"] = (
         flash_bwd_post,
         (seq_q, seq_q_pad, dim, softmax_scale, dtype),
