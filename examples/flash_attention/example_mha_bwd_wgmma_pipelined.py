@@ -779,17 +779,26 @@ def flash_bwd(
             clear_accum=True,
         )
 
+    # Keys past Sk (the last key block; packed: the next sequence's) and keys outside the
+    # query's window are masked; queries past Sq have lse2 = +inf (P = 0) and need no mask.
+    # Dense: where any step may need the mask, every step applies it (``probabilities``).
+    # Packed: each step decides, since at D = 64 the selects on every step make ptxas spill
+    # beside the sequence's run-time offsets.
+    mask_every_step = not packed and (right >= 0 or left >= 0 or seq_kv % block_M != 0)
+
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared, seq):
-        # Pᵀ = exp2(Sᵀ·scale − lse2). Queries past Sq have lse2 = +inf (P = 0) and need no
-        # mask; keys past Sk (the last key block; packed: the next sequence's) and keys
-        # outside the query's window do.
+        # Pᵀ = exp2(Sᵀ·scale − lse2), masked where the step's keys meet Sk, the diagonal or
+        # the window. A uniform branch choosing per step measured slower on dense causal rows
+        # than the selects on every step (benchmarks/results/bwd_mask_every_step.md).
         first_key = bx * block_M + wg * wg_keys
-        needs_mask = first_key + wg_keys > seq.kv_len
-        if right >= 0:
-            needs_mask = needs_mask or k * block_N + seq.hi < first_key + wg_keys - 1
-        if left >= 0:
-            needs_mask = needs_mask or first_key < k * block_N + block_N - 1 + seq.lo
+        needs_mask = mask_every_step
+        if packed:
+            needs_mask = first_key + wg_keys > seq.kv_len
+            if right >= 0:
+                needs_mask = needs_mask or k * block_N + seq.hi < first_key + wg_keys - 1
+            if left >= 0:
+                needs_mask = needs_mask or first_key < k * block_N + block_N - 1 + seq.lo
         if needs_mask:
             for i, j in T.Parallel(wg_keys, block_N):
                 key = first_key + i
