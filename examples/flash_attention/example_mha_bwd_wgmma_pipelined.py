@@ -781,10 +781,14 @@ def flash_bwd(
 
     # Keys past Sk (the last key block; packed: the next sequence's) and keys outside the
     # query's window are masked; queries past Sq have lse2 = +inf (P = 0) and need no mask.
-    # Dense: where any step may need the mask, every step applies it (``probabilities``).
-    # Packed: each step decides, since at D = 64 the selects on every step make ptxas spill
-    # beside the sequence's run-time offsets.
-    mask_every_step = not packed and (right >= 0 or left >= 0 or seq_kv % block_M != 0)
+    # Where any step may need the mask, every step applies it (``probabilities``): dense
+    # grids with a diagonal, a window or Sk not a multiple of block_M, and packed sequences
+    # (whose lengths are known at run time) at D = 128. Packed at D = 64, each step decides:
+    # the selects on every step make ptxas spill there, beside the sequence's offsets.
+    if packed:
+        mask_every_step = dim >= 128
+    else:
+        mask_every_step = right >= 0 or left >= 0 or seq_kv % block_M != 0
 
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared, seq):
@@ -793,7 +797,7 @@ def flash_bwd(
         # than the selects on every step (benchmarks/results/bwd_mask_every_step.md).
         first_key = bx * block_M + wg * wg_keys
         needs_mask = mask_every_step
-        if packed:
+        if packed and not mask_every_step:
             needs_mask = first_key + wg_keys > seq.kv_len
             if right >= 0:
                 needs_mask = needs_mask or k * block_N + seq.hi < first_key + wg_keys - 1
