@@ -39,18 +39,21 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
 
   so the exponentials may run under the dPᵀ GEMM (ptxas in fact moves that wait up to the first of
   them; the other warpgroup's GEMMs keep the tensor cores busy meanwhile), and the dQ GEMM, its
-  hand-off and the dK GEMM overlap. dQ is computed transposed so that the head dim is the GEMM's
-  M: each warpgroup takes half of it (D = 128), or half of the queries (D = 64, where half the
-  head dim would be smaller than WGMMA's M of 64). The dQ tile is the kernel's heaviest
-  shared-memory traffic, so it is stored in the order the threads hold it (``accumulator_index``):
-  every thread writes 16 bytes at a time and consecutive threads write consecutive addresses,
-  which keeps the stores free of bank conflicts and makes the tile one contiguous block for the
-  bulk reduce-add; the float32 accumulator keeps that order, one block per query block. dSᵀ is
-  double-buffered in shared memory, so the one barrier per step is enough: a warpgroup writes
-  buffer ``i % 2`` at step ``i`` only after both passed step ``i − 1``'s barrier, that is, after
-  both finished step ``i − 2``'s dQ GEMM, the last reader of that buffer. After the last step, dK
-  and dV go out through K's and V's shared-memory buffers, so that they are written as 16-byte row
-  vectors (straight from registers they would fill half of each 32-byte sector).
+  hand-off and the dK GEMM overlap. Where some step needs a mask (the causal diagonal, a window's
+  edges, keys past Sk), every step applies it, as a select on each exponent: a uniform branch
+  choosing per step between a masked and a plain loop costs more than the selects it saves. dQ is
+  computed transposed so that the head dim is the GEMM's M: each warpgroup takes half of it (D =
+  128), or half of the queries (D = 64, where half the head dim would be smaller than WGMMA's M of
+  64). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored in the order
+  the threads hold it (``accumulator_index``): every thread writes 16 bytes at a time and
+  consecutive threads write consecutive addresses, which keeps the stores free of bank conflicts
+  and makes the tile one contiguous block for the bulk reduce-add; the float32 accumulator keeps
+  that order, one block per query block. dSᵀ is double-buffered in shared memory, so the one
+  barrier per step is enough: a warpgroup writes buffer ``i % 2`` at step ``i`` only after both
+  passed step ``i − 1``'s barrier, that is, after both finished step ``i − 2``'s dQ GEMM, the last
+  reader of that buffer. After the last step, dK and dV go out through K's and V's shared-memory
+  buffers, so that they are written as 16-byte row vectors (straight from registers they would
+  fill half of each 32-byte sector).
 - A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
   units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
   get P = 0 without a mask, and every TMA box starts 16-byte aligned), and zeroes the float32
