@@ -786,8 +786,8 @@ def flash_bwd(
     # query's window are masked; queries past Sq have lse2 = +inf (P = 0) and need no mask.
     # Where any step may need the mask, every step applies it (``probabilities``): dense
     # grids with a diagonal, a window or Sk not a multiple of block_M, and packed sequences
-    # (whose lengths are known at run time) at D = 128. Packed at D = 64, each step decides:
-    # the selects on every step make ptxas spill there, beside the sequence's offsets.
+    # (whose lengths are known only at run time) at D = 128. Packed at D = 64, each step
+    # decides: the selects on every step make ptxas spill there, beside the sequence's offsets.
     if packed:
         mask_every_step = dim >= 128
     else:
@@ -799,26 +799,32 @@ def flash_bwd(
         # the window. A uniform branch choosing per step measured slower on dense causal rows
         # than the selects on every step (benchmarks/results/bwd_mask_every_step.md).
         first_key = bx * block_M + wg * wg_keys
-        needs_mask = mask_every_step
+        masked = mask_every_step
         if packed and not mask_every_step:
-            needs_mask = first_key + wg_keys > seq.kv_len
+            masked = first_key + wg_keys > seq.kv_len
             if right >= 0:
-                needs_mask = needs_mask or k * block_N + seq.hi < first_key + wg_keys - 1
+                masked = masked or k * block_N + seq.hi < first_key + wg_keys - 1
             if left >= 0:
-                needs_mask = needs_mask or first_key < k * block_N + block_N - 1 + seq.lo
-        if needs_mask:
+                masked = masked or first_key < k * block_N + block_N - 1 + seq.lo
+        if masked:
             for i, j in T.Parallel(wg_keys, block_N):
                 key = first_key + i
-                visible = key < seq.kv_len
-                if right >= 0:
-                    visible = visible and key <= k * block_N + j + seq.hi
-                if left >= 0:
-                    visible = visible and key >= k * block_N + j + seq.lo
-                # A select on the exponent, not on exp2's result: written that way the
-                # compiler keeps it branch-free, and branches here make ptxas serialize the
-                # WGMMA still running (dPᵀ) with this loop.
+                # Selects on the exponent, one per bound, not on exp2's result and not
+                # joined by `and` (C's short-circuit `&&`): written so, the compiler keeps the
+                # loop branch-free, and branches here make ptxas serialize the WGMMA still
+                # running (dPᵀ) with this loop. With the window's right edge at the diagonal
+                # (causal), that edge is below Sk for every query before Sq, so it alone
+                # bounds the keys.
                 logit = acc_s[i, j] * scale - lse_shared[stage, j]
-                acc_s[i, j] = T.exp2(T.if_then_else(visible, logit, -T.infinity(accum_dtype)))
+                if right != 0:
+                    logit = T.if_then_else(key < seq.kv_len, logit, -T.infinity(accum_dtype))
+                if right >= 0:
+                    last_seen = k * block_N + j + seq.hi
+                    logit = T.if_then_else(key <= last_seen, logit, -T.infinity(accum_dtype))
+                if left >= 0:
+                    first_seen = k * block_N + j + seq.lo
+                    logit = T.if_then_else(key >= first_seen, logit, -T.infinity(accum_dtype))
+                acc_s[i, j] = T.exp2(logit)
         else:
             for i, j in T.Parallel(wg_keys, block_N):
                 acc_s[i, j] = T.exp2(acc_s[i, j] * scale - lse_shared[stage, j])
