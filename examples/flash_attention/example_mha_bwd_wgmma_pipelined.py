@@ -41,7 +41,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   them; the other warpgroup's GEMMs keep the tensor cores busy meanwhile), and the dQ GEMM, its
   hand-off and the dK GEMM overlap. Where some step needs a mask (the causal diagonal, a window's
   edges, keys past Sk), every step applies it, as a select on each exponent: a uniform branch
-  choosing per step between a masked and a plain loop costs more than the selects it saves. dQ is
+  choosing per step between a masked and a plain loop costs more than the selects it saves
+  (packed sequences at D = 64 keep that branch: the selects on every step would spill). dQ is
   computed transposed so that the head dim is the GEMM's M: each warpgroup takes half of it (D =
   128), or half of the queries (D = 64, where half the head dim would be smaller than WGMMA's M of
   64). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored in the order
