@@ -140,11 +140,11 @@ def flashattn_fwd(
 
     @T.macro
     def online_softmax(
-        k, m_blk, first_masked, acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
+        k, m_blk, masked, acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
     ):
-        # acc_s holds S = Q Kᵀ of key block k: mask it, fold it into the running row max and
-        # row sum, and turn it into P = exp2(S·scale - max·scale).
-        if k >= first_masked:
+        # acc_s holds S = Q Kᵀ of key block k: mask it (``masked``), fold it into the running
+        # row max and row sum, and turn it into P = exp2(S·scale - max·scale).
+        if masked:
             for i, j in T.Parallel(block_M, block_N):
                 key = k * block_N + j
                 visible = key < seq_kv
@@ -163,6 +163,48 @@ def flashattn_fwd(
         T.reduce_sum(acc_s, scores_sum, dim=1)
         for i in T.Parallel(block_M):
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def key_block_step(
+        k, kv_count, m_blk, masked, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+        acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+    ):  # fmt: skip
+        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
+        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
+        # P(k-1) V(k-1) still occupies the tensor cores.
+        g = kv_count + k
+        stage = g % num_stages
+        prev = (g - 1) % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+        T.wgmma_gemm(
+            Q_shared,
+            K_shared[stage, :, :],
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
+        # landed load's wait costs cycles, idle tensor cores if spent first.
+        T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+        T.wgmma_gemm(
+            acc_s_cast,
+            V_shared[prev, :, :],
+            acc_o,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
+        T.barrier_arrive(k_empty[stage])
+        online_softmax(
+            k, m_blk, masked, acc_s, scores_max, scores_max_prev,
+            scores_scale, scores_sum, logsum,
+        )  # fmt: skip
+        T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+        T.barrier_arrive(v_empty[prev])
+        # Rescale what was accumulated under the old row max.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+        T.copy(acc_s, acc_s_cast)
 
     @T.prim_func
     def flash_fwd(
@@ -271,48 +313,27 @@ def flashattn_fwd(
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         online_softmax(
-                            0, m_blk, first_masked, acc_s, scores_max, scores_max_prev,
+                            0, m_blk, first_masked == 0, acc_s, scores_max, scores_max_prev,
                             scores_scale, scores_sum, logsum,
                         )  # fmt: skip
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-                        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
-                        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
-                        # P(k-1) V(k-1) still occupies the tensor cores.
-                        for k in T.serial(1, n_blocks):
-                            g = kv_count + k
-                            stage = g % num_stages
-                            prev = (g - 1) % num_stages
-                            T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
-                            T.wgmma_gemm(
-                                Q_shared,
-                                K_shared[stage, :, :],
-                                acc_s,
-                                transpose_B=True,
-                                clear_accum=True,
-                                policy=T.GemmWarpPolicy.FullRow,
-                            )
-                            # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
-                            # landed load's wait costs cycles, idle tensor cores if spent first.
-                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-                            T.wgmma_gemm(
-                                acc_s_cast,
-                                V_shared[prev, :, :],
-                                acc_o,
-                                policy=T.GemmWarpPolicy.FullRow,
-                            )
-                            T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
-                            T.barrier_arrive(k_empty[stage])
-                            online_softmax(
-                                k, m_blk, first_masked, acc_s, scores_max, scores_max_prev,
-                                scores_scale, scores_sum, logsum,
+                        # Key blocks 1 … n_blocks - 1; those from ``first_masked`` on take the mask.
+                        # Two loops, so that neither branches on the mask inside (a branch there
+                        # costs more than the mask itself).
+                        split = T.max(1, T.min(first_masked, n_blocks))
+                        for k in T.serial(1, split):
+                            key_block_step(
+                                k, kv_count, m_blk, False, Q_shared, K_shared, V_shared, k_full,
+                                v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                                scores_max_prev, scores_scale, scores_sum, logsum,
                             )  # fmt: skip
-                            T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
-                            T.barrier_arrive(v_empty[prev])
-                            # Rescale what was accumulated under the old row max.
-                            for i, j in T.Parallel(block_M, dim):
-                                acc_o[i, j] *= scores_scale[i]
-                            T.copy(acc_s, acc_s_cast)
+                        for k in T.serial(split, n_blocks):
+                            key_block_step(
+                                k, kv_count, m_blk, True, Q_shared, K_shared, V_shared, k_full,
+                                v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                                scores_max_prev, scores_scale, scores_sum, logsum,
+                            )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 
