@@ -166,13 +166,13 @@ def flashattn_fwd(
 
     @T.macro
     def key_block_step(
-        k, kv_count, m_blk, masked, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+        k, g, m_blk, masked, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
         acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
     ):  # fmt: skip
         # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
         # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
         # P(k-1) V(k-1) still occupies the tensor cores.
-        g = kv_count + k
+        # g: key block k's place in the stream of K/V stages (kv_count + k)
         stage = g % num_stages
         prev = (g - 1) % num_stages
         T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
@@ -319,21 +319,32 @@ def flashattn_fwd(
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
                         # Key blocks 1 … n_blocks - 1; those from ``first_masked`` on take the mask.
-                        # Two loops, so that neither branches on the mask inside (a branch there
-                        # costs more than the mask itself).
-                        split = T.max(1, T.min(first_masked, n_blocks))
-                        for k in T.serial(1, split):
-                            key_block_step(
-                                k, kv_count, m_blk, False, Q_shared, K_shared, V_shared, k_full,
-                                v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
-                                scores_max_prev, scores_scale, scores_sum, logsum,
-                            )  # fmt: skip
-                        for k in T.serial(split, n_blocks):
-                            key_block_step(
-                                k, kv_count, m_blk, True, Q_shared, K_shared, V_shared, k_full,
-                                v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
-                                scores_max_prev, scores_scale, scores_sum, logsum,
-                            )  # fmt: skip
+                        # Two loops, so that neither branches on the mask inside. With 192-row
+                        # tiles (D = 64) the two loops trip TileLang 0.1.15's ThreadSync pass
+                        # (a shared-memory sync inside the consumers' branch), so those keep one
+                        # loop whose blocks test k >= first_masked.
+                        if block_M <= 128:
+                            split = T.max(1, T.min(first_masked, n_blocks))
+                            for k in T.serial(1, split):
+                                key_block_step(
+                                    k, kv_count + k, m_blk, False, Q_shared, K_shared, V_shared,
+                                    k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                                    scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                                )  # fmt: skip
+                            for k in T.serial(split, n_blocks):
+                                key_block_step(
+                                    k, kv_count + k, m_blk, True, Q_shared, K_shared, V_shared,
+                                    k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                                    scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                                )  # fmt: skip
+                        else:
+                            for k in T.serial(1, n_blocks):
+                                key_block_step(
+                                    k, kv_count + k, m_blk, k >= first_masked, Q_shared, K_shared,
+                                    V_shared, k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast,
+                                    acc_o, scores_max, scores_max_prev, scores_scale, scores_sum,
+                                    logsum,
+                                )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 
