@@ -121,6 +121,20 @@ def test_default_config_builds_for_sm90_with_wgmma_and_tma(script, dim, causal):
     assert "tma_load" in src, "T.copy of global tiles should lower to TMA loads on sm_90a"
 
 
+@pytest.mark.parametrize("batch,heads,seq_len", [(2, 4, 1000), (2, 2, 4096)])
+def test_causal_key_loops_build(batch, heads, seq_len):
+    """The causal forward's two key loops (blocks without the mask, then with it) build on the
+    shapes where their shared bound, written as an expression, made TileLang's ThreadSync pass
+    reject the epilogue's shared-memory sync (grids of 64 and 128 tiles, one a thread block)."""
+    import harness
+
+    mod = load_script(BSHD)
+    cfg = mod.default_config(128, True, "sm_90a", seq_len)
+    args = (batch, heads, seq_len, seq_len, 128, True, 128**-0.5, "bfloat16")
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert src.count("wgmma_ss") >= 3  # S of the first block, then of each loop
+
+
 def _grid_size(tir) -> int:
     return int(re.search(r'thread_binding\((\d+), thread="blockIdx.x"\)', tir.script()).group(1))
 
