@@ -242,11 +242,12 @@ def flashattn_fwd(
             # which stage (g % num_stages) and barrier phase (g // num_stages) comes next.
             kv_count = T.alloc_var("int32")
             tile_count = T.alloc_var("int32")
-            # The first masked key block of the tile, held in a variable: as an expression in
-            # the loop bounds, TileLang 0.1.15's ThreadSync pass rejects the epilogue's
-            # shared-memory sync on some shapes ("a divergent region with 249 participating
-            # threads").
-            split = T.alloc_var("int32")
+            if causal:
+                # The tile's first masked key block, held in a variable: as an expression in
+                # the loop bounds, TileLang 0.1.15's ThreadSync pass rejects the epilogue's
+                # shared-memory sync on some shapes ("a divergent region with 249
+                # participating threads").
+                split = T.alloc_var("int32")
             kv_count = 0
             tile_count = 0
             n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
@@ -324,20 +325,25 @@ def flashattn_fwd(
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
                         # Key blocks 1 … n_blocks - 1; those from ``first_masked`` on take the mask.
-                        # Two loops, so that neither branches on the mask inside.
-                        split = T.max(1, T.min(first_masked, n_blocks))
+                        # Two loops, so that neither branches on the mask inside. Without
+                        # causal both bounds are constants, and aligned keys need no masked loop.
+                        if causal:
+                            split = T.max(1, T.min(first_masked, n_blocks))
+                        else:
+                            split = max(1, min(first_masked, n_blocks))
                         for k in T.serial(1, split):
                             key_block_step(
                                 k, kv_count + k, m_blk, False, Q_shared, K_shared, V_shared,
                                 k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
                                 scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
                             )  # fmt: skip
-                        for k in T.serial(split, n_blocks):
-                            key_block_step(
-                                k, kv_count + k, m_blk, True, Q_shared, K_shared, V_shared,
-                                k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
-                                scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
-                            )  # fmt: skip
+                        if causal or split < n_blocks:
+                            for k in T.serial(split, n_blocks):
+                                key_block_step(
+                                    k, kv_count + k, m_blk, True, Q_shared, K_shared, V_shared,
+                                    k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                                    scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                                )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 
