@@ -17,7 +17,9 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
 - intra-warpgroup overlap: a consumer issues S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back as
   asynchronous WGMMA and runs the softmax of block k while the second one still runs;
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
-  under the current tile's last GEMM and epilogue instead of waiting for a new block to start.
+  under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
+- a tile's key blocks in two loops, those no query of the tile can mask out first, then those
+  on the causal diagonal or past Sk, so that neither loop branches on the mask.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
@@ -146,11 +148,11 @@ def flashattn_fwd(
 
     @T.macro
     def online_softmax(
-        k, m_blk, first_masked, acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
+        k, m_blk, masked, acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
     ):
-        # acc_s holds S = Q Kᵀ of key block k: mask it, fold it into the running row max and
-        # row sum, and turn it into P = exp2(S·scale - max·scale).
-        if k >= first_masked:
+        # acc_s holds S = Q Kᵀ of key block k: mask it (``masked``), fold it into the running
+        # row max and row sum, and turn it into P = exp2(S·scale - max·scale).
+        if masked:
             for i, j in T.Parallel(block_M, block_N):
                 key = k * block_N + j
                 visible = key < seq_kv
@@ -169,6 +171,48 @@ def flashattn_fwd(
         T.reduce_sum(acc_s, scores_sum, dim=1)
         for i in T.Parallel(block_M):
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def key_block_step(
+        k, g, m_blk, masked, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+        acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+    ):  # fmt: skip
+        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
+        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
+        # P(k-1) V(k-1) still occupies the tensor cores.
+        # g: key block k's place in the stream of K/V stages (kv_count + k)
+        stage = g % num_stages
+        prev = (g - 1) % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+        T.wgmma_gemm(
+            Q_shared,
+            K_shared[stage, :, :],
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
+        # landed load's wait costs cycles, idle tensor cores if spent first.
+        T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+        T.wgmma_gemm(
+            acc_s_cast,
+            V_shared[prev, :, :],
+            acc_o,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
+        T.barrier_arrive(k_empty[stage])
+        online_softmax(
+            k, m_blk, masked, acc_s, scores_max, scores_max_prev,
+            scores_scale, scores_sum, logsum,
+        )  # fmt: skip
+        T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+        T.barrier_arrive(v_empty[prev])
+        # Rescale what was accumulated under the old row max.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+        T.copy(acc_s, acc_s_cast)
 
     @T.prim_func
     def flash_fwd(
@@ -206,6 +250,12 @@ def flashattn_fwd(
             # which stage (g % num_stages) and barrier phase (g // num_stages) comes next.
             kv_count = T.alloc_var("int32")
             tile_count = T.alloc_var("int32")
+            if causal:
+                # The tile's first masked key block, held in a variable: as an expression in
+                # the loop bounds, TileLang 0.1.15's ThreadSync pass rejects the epilogue's
+                # shared-memory sync on some shapes ("a divergent region with 249
+                # participating threads").
+                split = T.alloc_var("int32")
             kv_count = 0
             tile_count = 0
             n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
@@ -277,48 +327,31 @@ def flashattn_fwd(
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         online_softmax(
-                            0, m_blk, first_masked, acc_s, scores_max, scores_max_prev,
+                            0, m_blk, first_masked == 0, acc_s, scores_max, scores_max_prev,
                             scores_scale, scores_sum, logsum,
                         )  # fmt: skip
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-                        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
-                        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
-                        # P(k-1) V(k-1) still occupies the tensor cores.
-                        for k in T.serial(1, n_blocks):
-                            g = kv_count + k
-                            stage = g % num_stages
-                            prev = (g - 1) % num_stages
-                            T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
-                            T.wgmma_gemm(
-                                Q_shared,
-                                K_shared[stage, :, :],
-                                acc_s,
-                                transpose_B=True,
-                                clear_accum=True,
-                                policy=T.GemmWarpPolicy.FullRow,
-                            )
-                            # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
-                            # landed load's wait costs cycles, idle tensor cores if spent first.
-                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-                            T.wgmma_gemm(
-                                acc_s_cast,
-                                V_shared[prev, :, :],
-                                acc_o,
-                                policy=T.GemmWarpPolicy.FullRow,
-                            )
-                            T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
-                            T.barrier_arrive(k_empty[stage])
-                            online_softmax(
-                                k, m_blk, first_masked, acc_s, scores_max, scores_max_prev,
-                                scores_scale, scores_sum, logsum,
+                        # Key blocks 1 … n_blocks - 1; those from ``first_masked`` on take the mask.
+                        # Two loops, so that neither branches on the mask inside. Without
+                        # causal both bounds are constants, and aligned keys need no masked loop.
+                        if causal:
+                            split = T.max(1, T.min(first_masked, n_blocks))
+                        else:
+                            split = max(1, min(first_masked, n_blocks))
+                        for k in T.serial(1, split):
+                            key_block_step(
+                                k, kv_count + k, m_blk, False, Q_shared, K_shared, V_shared,
+                                k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                                scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
                             )  # fmt: skip
-                            T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
-                            T.barrier_arrive(v_empty[prev])
-                            # Rescale what was accumulated under the old row max.
-                            for i, j in T.Parallel(block_M, dim):
-                                acc_o[i, j] *= scores_scale[i]
-                            T.copy(acc_s, acc_s_cast)
+                        if causal or split < n_blocks:
+                            for k in T.serial(split, n_blocks):
+                                key_block_step(
+                                    k, kv_count + k, m_blk, True, Q_shared, K_shared, V_shared,
+                                    k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                                    scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                                )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 

@@ -15,7 +15,9 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
 - intra-warpgroup overlap: a consumer issues S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back as
   asynchronous WGMMA and runs the softmax of block k while the second one still runs;
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
-  under the current tile's last GEMM and epilogue instead of waiting for a new block to start.
+  under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
+- a tile's key blocks in two loops, those no query of the tile can mask out first, then those
+  on the causal diagonal or past Sk, so that neither loop branches on the mask.
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
