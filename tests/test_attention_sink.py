@@ -436,20 +436,20 @@ def test_narrow_windows_take_two_thread_blocks_an_sm(dim):
 
 def test_two_thread_block_default_falls_back_where_tilelang_rejects_it():
     """A shape whose two-thread-block default TileLang 0.1.15 cannot lower (D=64, Sq=500,
-    Sk=700, window (100, 0)) builds with the one-thread-block tiles instead, and the rejection
+    Sk=700, window (128, 0)) builds with the one-thread-block tiles instead, and the rejection
     is remembered: the failing build is tried once."""
     import harness
 
     mod = load_script(FWD)
-    args = (2, 8, 2, 500, 700, 64, 100, 0, True, 0.125, "float16")
+    args = (2, 8, 2, 500, 700, 64, 128, 0, True, 0.125, "float16")
     tried = []
 
     def build(tiles):
         tried.append(tiles["ctas_per_sm"])
         return harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **tiles)
 
-    cfg = mod.default_config(64, (100, 0), "sm_90a", 700)
-    single = mod.single_cta_config(64, (100, 0), "sm_90a", 700)
+    cfg = mod.default_config(64, (128, 0), "sm_90a", 700)
+    single = mod.single_cta_config(64, (128, 0), "sm_90a", 700)
     assert cfg["ctas_per_sm"] == 2 and single["ctas_per_sm"] == 1
     kernel = mod.build_with_fallback(build, cfg, single, args)
     assert "__launch_bounds__(384, 1)" in kernel.get_kernel_source()  # 128-row tiles

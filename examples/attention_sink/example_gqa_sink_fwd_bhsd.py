@@ -297,12 +297,14 @@ def flashattn_fwd(
         for i, j in T.Parallel(block_M, block_N):
             key = kb * block_N + j
             row = m_blk * block_M + i
-            visible = key < seq_kv
+            # One select per bound: joined by `and` (C's short-circuit `&&`), nvcc compiles
+            # the bounds into branches, around which the WGMMA still running waits.
+            score = T.if_then_else(key < seq_kv, acc_s[i, j], neg_inf)
             if window_right >= 0:
-                visible = visible and key <= row + offset + window_right
+                score = T.if_then_else(key <= row + offset + window_right, score, neg_inf)
             if window_left >= 0:
-                visible = visible and key >= row + offset - window_left
-            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+                score = T.if_then_else(key >= row + offset - window_left, score, neg_inf)
+            acc_s[i, j] = score
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -738,9 +740,9 @@ _REJECTED = set()  # the kernel arguments whose two-thread-block default TileLan
 
 def build_with_fallback(build, cfg, single, key):
     """``build(cfg)``; if TileLang 0.1.15's ThreadSync pass rejects ``cfg``'s two-thread-block
-    tiles ("Cannot lower a required shared-memory sync inside a divergent region", a few ragged
-    shapes, e.g. D=64, Sq=500, Sk=700, window (100, 0): 2 of 125 shapes of 17-1000 rows, windows
-    of 50-256 keys), ``build(single)`` instead, the one-thread-block tiles. The rejection is
+    tiles ("Cannot lower a required shared-memory sync inside a divergent region", a few
+    shapes, e.g. D=64, Sq=500, Sk=700, window (128, 0), or D=128, Sq=Sk=4096, window (64, 64)),
+    ``build(single)`` instead, the one-thread-block tiles. The rejection is
     remembered (``key``: the kernel's arguments), so it is paid once, not at every call."""
     if key not in _REJECTED:
         try:
