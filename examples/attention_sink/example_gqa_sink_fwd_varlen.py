@@ -208,14 +208,12 @@ def flashattn_fwd_varlen(
         for i, j in T.Parallel(block_M, block_N):
             key = kb * block_N + j
             centre = row0 + i + seq_len_k - seq_len_q  # bottom-right, per sequence
-            # One select per bound: joined by `and` (C's short-circuit `&&`), nvcc compiles
-            # the bounds into branches, around which the WGMMA still running waits.
-            score = T.if_then_else(key < seq_len_k, acc_s[i, j], neg_inf)
+            visible = key < seq_len_k
             if window_right >= 0:
-                score = T.if_then_else(key <= centre + window_right, score, neg_inf)
+                visible = visible and key <= centre + window_right
             if window_left >= 0:
-                score = T.if_then_else(key >= centre - window_left, score, neg_inf)
-            acc_s[i, j] = score
+                visible = visible and key >= centre - window_left
+            acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):

@@ -167,12 +167,10 @@ def flashattn_fwd_varlen(
         if k >= first_masked:
             for i, j in T.Parallel(block_M, block_N):
                 key = k * block_N + j
-                # One select per bound: joined by `and` (C's short-circuit `&&`), nvcc compiles
-                # the bounds into branches, around which the WGMMA still running waits.
-                score = T.if_then_else(key < seq_len_k, acc_s[i, j], neg_inf)
+                visible = key < seq_len_k
                 if causal:
-                    score = T.if_then_else(key <= diagonal + i, score, neg_inf)
-                acc_s[i, j] = score
+                    visible = visible and key <= diagonal + i
+                acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
         T.copy(scores_max, scores_max_prev)
         T.reduce_max(acc_s, scores_max, dim=1, clear=False)
         for i in T.Parallel(block_M):
