@@ -813,9 +813,10 @@ def flash_bwd(
                 # Selects on the exponent, one per bound, not on exp2's result and not
                 # joined by `and` (C's short-circuit `&&`): written so, the compiler keeps the
                 # loop branch-free, and branches here make ptxas serialize the WGMMA still
-                # running (dPᵀ) with this loop. With the window's right edge at the diagonal
-                # (causal), that edge is below Sk for every query before Sq, so it alone
-                # bounds the keys.
+                # running (dPᵀ) with this loop. Not yet at D = 128 with a window bounded on
+                # both sides: there nvcc still branches around each exp2. With the window's
+                # right edge at the diagonal (causal), that edge is below Sk for every query
+                # before Sq, so it alone bounds the keys.
                 logit = acc_s[i, j] * scale - lse_shared[stage, j]
                 if right != 0:
                     logit = T.if_then_else(key < seq.kv_len, logit, -T.infinity(accum_dtype))
