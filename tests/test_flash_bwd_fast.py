@@ -306,6 +306,24 @@ def test_causal_grids_interleave_a_wave_of_rows(dim, grid, interleave):
     assert mod.default_config(dim, "sm_90a")["interleave"] == 1
 
 
+@pytest.mark.parametrize(
+    "dim,shape",  # (batch, heads, kv heads, Sk)
+    [(128, (4, 32, 8, 4096)), (64, (1, 64, 8, 8192)), (128, (1, 32, 4, 2048))],
+)
+def test_window_of_the_diagonal_alone_takes_the_causal_grid(dim, shape):
+    """The sink backward passes causal as the window (-1, 0) with ``causal=False``: its grid,
+    and so its config (interleave, head splits), are the causal ones, not a full walk's."""
+    mod = load_script(FAST)
+    causal = mod.dense_grid(*shape, True, (-1, -1), 132)
+    assert causal.causal and not causal.windowed
+    assert mod.dense_grid(*shape, False, (-1, 0), 132) == causal
+    config = mod.default_config(dim, "sm_90a", causal)
+    assert config["interleave"] > 1 or config["head_splits"] > 1
+    full = mod.default_config(dim, "sm_90a", mod.dense_grid(*shape, False, (-1, -1), 132))
+    assert config != full
+    assert not mod.dense_grid(*shape, False, (128, 0), 132).causal  # a band: windowed instead
+
+
 def test_interleaved_grid_builds_clean_and_orders_rows_first():
     """interleave = 4 of 8 rows (B2 H4): the same clean build, on a grid of (4 rows, key
     blocks, 2 sets of rows), so the GPU starts key block 0 of four rows before key block 1 of
