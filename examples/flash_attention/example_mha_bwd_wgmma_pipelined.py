@@ -40,7 +40,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   so the exponentials may run under the dPᵀ GEMM (ptxas in fact moves that wait up to the first of
   them; the other warpgroup's GEMMs keep the tensor cores busy meanwhile), and the dQ GEMM, its
   hand-off and the dK GEMM overlap. Where some step needs a mask (the causal diagonal, a window's
-  edges, keys past Sk), every step applies it, as a select on each exponent: a uniform branch
+  edges, keys past Sk), every step applies it, as a select on each exponent (at D = 128 a window's
+  two edges as one unsigned compare, which nvcc keeps branch-free): a uniform branch
   choosing per step between a masked and a plain loop costs more than the selects it saves
   (packed sequences at D = 64 keep that branch: the selects on every step would spill). dQ is
   computed transposed so that the head dim is the GEMM's M: each warpgroup takes half of it (D =
@@ -825,8 +826,7 @@ def flash_bwd(
                     logit = T.if_then_else(key < seq.kv_len, logit, -T.infinity(accum_dtype))
                 first_seen = k * block_N + j + seq.lo
                 if window_compare:
-                    # Both edges in one unsigned compare: first_seen <= key <= first_seen +
-                    # left + right. Two selects here make nvcc branch around each exp2.
+                    # first_seen <= key <= first_seen + left + right, as one compare.
                     offset = T.reinterpret(key - first_seen, "uint32")
                     inside = offset <= T.Cast("uint32", left + right)
                     logit = T.if_then_else(inside, logit, -T.infinity(accum_dtype))
