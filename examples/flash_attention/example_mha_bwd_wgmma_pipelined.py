@@ -1503,7 +1503,9 @@ def default_config(dim, arch="sm_90a", grid=None):
     395 against 453, D64 397 against 472). The measured choice is the same with and without
     ``causal``. A third Q/dO stage at D=128 (226 KB of shared memory, no spills) measured level
     or slower on 2026-11-23: 0.99-1.01x at S4096 and S8192, 0.97-0.98x at S16384 (bf16, 570
-    against 579 TFLOP/s).
+    against 579 TFLOP/s). On the window-1024 sink backward (D128, bf16, H32/Hkv8 B2 S8192 and
+    B4 S4096, ordered store; 2026-11-27, five interleaved rounds) two dQ tiles measured
+    1.010-1.012x, within the run's noise, and 80 queries a step 0.976-0.984x: both stay off.
 
     The grid is one thread block per (key block, kv head, batch entry). A persistent grid (one
     thread block per SM walking those tiles, causal ones paired heaviest with lightest as in the
