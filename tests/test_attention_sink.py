@@ -1258,6 +1258,11 @@ def test_group_backward_with_a_window_spills_nothing(D, window, S):
     assert "dq_store_or_add(" in src and "dq_publish(" in src
     for ptx in ("cp.async.bulk.global.shared::cta", "ld.acquire.gpu", "st.release.gpu"):
         assert ptx in src, ptx
+    # At D = 128 both edges are one unsigned compare of the key's distance past the window's
+    # first key (two selects there made nvcc branch around each exp2); D = 64 keeps the selects.
+    width = window[0] + window[1]
+    compare = re.search(r"\(\*\(uint \*\)\(&\(\w+\)\)\) <= \(uint\)" + str(width) + r"\b", src)
+    assert bool(compare) == (D == 128)
     report = ptxas_report(src)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
     assert "Potential Performance Loss" not in report
