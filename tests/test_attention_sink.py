@@ -1263,6 +1263,11 @@ def test_group_backward_with_a_window_spills_nothing(D, window, S):
     width = window[0] + window[1]
     compare = re.search(r"\(\*\(uint \*\)\(&\(\w+\)\)\) <= \(uint\)" + str(width) + r"\b", src)
     assert bool(compare) == (D == 128)
+    # D = 128: one grid index in ``launch_order`` (the window's top key blocks, cut short by the
+    # end of the queries, launch last); D = 64 keeps the grid of (key block, kv head, batch).
+    n_long = fast.longest_walks(S, S, False, window, cfg["block_M"], cfg["block_N"])
+    assert (f"((int)blockIdx.x) < {n_long * 8})" in src) == (D == 128)
+    assert ("blockIdx.y" in src) == (D == 64)
     report = ptxas_report(src)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
     assert "Potential Performance Loss" not in report

@@ -535,6 +535,40 @@ def test_ordered_store_stores_each_tile_once_by_its_lowest_walker(block_N, causa
                 assert stored == lowest, (Sq, Sk, left, right)
 
 
+@pytest.mark.parametrize("block_N", [64, 128])
+def test_ordered_store_launches_each_key_block_after_the_lower_ones(block_N):
+    """``launch_order`` (the ordered store's grid at D = 128) is a permutation of (key block,
+    row) in which each key block starts after every lower key block of its row, the only ones
+    it may wait for (the test above: each tile is stored by its lowest walker); the key blocks
+    from ``longest_walks`` on, and only they, walk fewer query blocks than the longest walk,
+    and they come after all the others."""
+    from tilelang import tvm
+
+    mod = load_script(FAST)
+    simplify = tvm.arith.Analyzer().simplify
+    shapes = [
+        (8192, 8192, (1024, 0)),
+        (4096, 4096, (512, 0)),
+        (1000, 1000, (256, 256)),
+        (1000, 777, (300, 0)),
+        (17, 17, (1024, 0)),
+    ]
+    for Sq, Sk, window in shapes:
+        walks = [n for _, n in mod.walked_ranges(Sq, Sk, False, window, 128, block_N)]
+        n_long = mod.longest_walks(Sq, Sk, False, window, 128, block_N)
+        assert walks[n_long - 1] == max(walks) > max(walks[n_long:], default=0)
+        n_rows = 3
+        order = [
+            tuple(int(simplify(x)) for x in mod.launch_order(i, n_long, n_rows))
+            for i in range(len(walks) * n_rows)
+        ]
+        assert sorted(order) == [(kb, row) for kb in range(len(walks)) for row in range(n_rows)]
+        position = {block: i for i, block in enumerate(order)}
+        for kb, row in order[1:]:
+            assert kb == 0 or position[(kb - 1, row)] < position[(kb, row)], (Sq, Sk, kb, row)
+        assert all(kb < n_long for kb, _ in order[: n_long * n_rows])
+
+
 @pytest.mark.parametrize(
     "Sq,Sk,window,causal,ordered",
     [

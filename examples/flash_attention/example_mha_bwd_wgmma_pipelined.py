@@ -70,9 +70,11 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   before they add (``flash_bwd``'s ``ordered_store``). Every key block walks its query blocks
   last to first, so the tiles it stores (no lower key block reaches them) come before the
   ones it adds into, and it only ever waits for lower key blocks, which the GPU starts no later
-  than itself: the wait always ends. At a window's edges a step's queries may see none of one
-  consumer warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step
-  and only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
+  than itself: the wait always ends. At D = 128 the window's top key blocks, whose walks the
+  end of the queries cuts short, launch after all the others and fill the grid's last wave
+  (``launch_order``). At a window's edges a step's queries may see none of one consumer
+  warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step and
+  only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
 - The kernels chain by programmatic dependent launch (``T.pdl_trigger`` / ``T.pdl_sync``,
   CUDA's ``griddepcontrol``), dense or packed: a kernel that calls ``T.pdl_sync`` is launched
   before the one ahead of it on the stream has finished, once every thread block of that one
@@ -423,6 +425,40 @@ def ordered_store_pays(seq_q, seq_kv, causal, window, block_M, block_N):
     )
 
 
+def longest_walks(seq_q, seq_kv, causal, window, block_M, block_N):
+    """``launch_order``'s ``n_long``: the count of key blocks up to the last one that walks the
+    most query blocks."""
+    counts = [n for _, n in walked_ranges(seq_q, seq_kv, causal, window, block_M, block_N)]
+    return max(kb for kb, n in enumerate(counts) if n == max(counts)) + 1
+
+
+def launch_order(i, n_long, n_rows):
+    """``ordered_store``'s grid at D = 128: (key block, row) of thread block ``i`` of a
+    one-dimensional grid, a row being a (kv head, batch entry). Key blocks 0 … n_long − 1 of
+    each row come row by row, as in the plain grid (the blocks of a row share their Q, dO and
+    dQ tiles in L2); the key blocks after them, whose walks the end of the queries cuts short
+    (``longest_walks``), come last, key block by key block, and fill the grid's last wave
+    instead of leaving SMs idle in it. A key block still starts after the lower ones of its
+    row, the only ones it may wait for.
+
+    Measured on an H100 (2026-11-27, bf16, H32/Hkv8 unless stated, the backward as the sink
+    backward runs it, ``run_backward``; seven interleaved rounds a process), against the plain
+    grid: window (1024, 0) D128 B2 S8192 1.011 and 1.019x (two processes), B4 S4096 1.040,
+    1.055 and 1.062x (three); (256, 256) D128 B2 S8192 0.989x (one). At D = 64 the same order
+    lost (window (1024, 0) B2 S8192 0.82-0.85x, (512, 0) B1 H64/Hkv8 S8192 0.80x), while a
+    one-dimensional grid in the plain order (its indices a shift and a mask) measured level
+    (1.00x); the generated code computes these selects and divisions at every use of the
+    indices, which we take to be what the D = 64 consumers, with no register to spare, pay
+    for. D = 64 keeps the plain grid. The key blocks of every row in turn (a grid with the key
+    block slowest: the same last wave, no arithmetic) lost at both: D128 0.92-0.97x, (256, 256)
+    0.91x, D64 0.98-0.99x. The indices computed once into shared memory made ptxas spill (4
+    bytes at D = 128, 20 at D = 64), so that form was not timed."""
+    n_first = n_long * n_rows
+    tail = i - n_first
+    key = T.Select(i < n_first, i % n_long, n_long + tail // n_rows)
+    return key, T.Select(i < n_first, i // n_long, tail % n_rows)
+
+
 @functools.lru_cache(maxsize=1024)
 def every_block_walked(seq_q, seq_kv, causal, window, block_M, block_N):
     """Whether every query block is walked by some key block, so that ``ordered_store`` (whose
@@ -663,7 +699,9 @@ def flash_bwd(
     ``first_stored_block`` on (no lower key block walks them) and raises their flags once the
     stores have landed, and adds into the others after their flags are up. A key block only
     waits for lower ones, which the GPU dispatches no later (blocks start in the order of their
-    linear index), so a chain of waits ends at key block 0, which waits for nothing.
+    linear index), so a chain of waits ends at key block 0, which waits for nothing. At D = 128
+    the key blocks whose walks the end of the queries cuts short launch after all the others
+    (``launch_order``), still each after the lower ones of its row.
 
     ``with_dq=False`` (dense layouts, one launch): dK and dV only, a kernel without the dQ
     accumulator argument. A step is four GEMMs (no dSᵀ in shared memory, no named barrier,
@@ -1291,6 +1329,11 @@ def flash_bwd(
         return flash_bwd
 
     if ordered_store:  # one more argument: the ready flags, one per dQ tile, zeroed
+        grid_rows = heads_kv * head_splits  # grid rows (kv head, head split) of a batch entry
+        n_rows = grid_rows * batch
+        n_long = n_key_blocks  # (the plain grid: see ``launch_order`` for why D = 64 keeps it)
+        if dim >= 128:
+            n_long = longest_walks(seq_q, seq_kv, causal, window, block_M, block_N)
 
         @T.prim_func
         def flash_bwd(
@@ -1305,13 +1348,24 @@ def flash_bwd(
             dK: T.Tensor(dkv_shape, dkv_dtype),
             dV: T.Tensor(dkv_shape, dkv_dtype),
         ):
-            with T.Kernel(n_key_blocks, heads_kv * head_splits, batch, threads=threads) as (
-                bx,
-                by,
-                bz,
-            ):
-                T.import_source(READY_FLAGS_SOURCE)
-                thread_block(bx, by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, Ready)
+            if n_long == n_key_blocks:
+                with T.Kernel(n_key_blocks, heads_kv * head_splits, batch, threads=threads) as (
+                    bx,
+                    by,
+                    bz,
+                ):
+                    T.import_source(READY_FLAGS_SOURCE)
+                    thread_block(
+                        bx, by, rows(bz), Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, Ready
+                    )
+            else:
+                with T.Kernel(n_key_blocks * n_rows, threads=threads) as i:
+                    T.import_source(READY_FLAGS_SOURCE)
+                    bx, row = launch_order(i, n_long, n_rows)
+                    thread_block(
+                        bx, row % grid_rows, rows(row // grid_rows), Q, K, V, dO, lse2, Delta,
+                        dQ_accum, dK, dV, Ready,
+                    )  # fmt: skip
 
         return flash_bwd
 
