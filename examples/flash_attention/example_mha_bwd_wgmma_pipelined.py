@@ -447,12 +447,13 @@ def launch_order(i, n_long, n_rows):
     1.055 and 1.062x (three); (256, 256) D128 B2 S8192 0.989x (one). At D = 64 the same order
     lost (window (1024, 0) B2 S8192 0.82-0.85x, (512, 0) B1 H64/Hkv8 S8192 0.80x), while a
     one-dimensional grid in the plain order (its indices a shift and a mask) measured level
-    (1.00x); the generated code computes these selects and divisions at every use of the
-    indices, which we take to be what the D = 64 consumers, with no register to spare, pay
-    for. D = 64 keeps the plain grid. The key blocks of every row in turn (a grid with the key
-    block slowest: the same last wave, no arithmetic) lost at both: D128 0.92-0.97x, (256, 256)
-    0.91x, D64 0.98-0.99x. The indices computed once into shared memory made ptxas spill (4
-    bytes at D = 128, 20 at D = 64), so that form was not timed."""
+    (1.00x). In that build nvcc turns the D = 64 window mask's selects into branches around
+    each exp2 (SASS: no FSEL left of 128, 192 BRA against 76), as it did with two selects at
+    D = 128 (``window_compare``); D = 64 keeps the plain grid. The key blocks of every row in
+    turn (a grid with the key block slowest: the same last wave, no index arithmetic) lost at
+    both: D128 0.92-0.97x, (256, 256) 0.91x, D64 0.98-0.99x. The indices held in shared memory,
+    or in variables, made ptxas spill (4 and 8 bytes at D = 128), so those forms were not
+    timed."""
     n_first = n_long * n_rows
     tail = i - n_first
     key = T.Select(i < n_first, i % n_long, n_long + tail // n_rows)
