@@ -45,12 +45,19 @@ for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attent
 
 sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
 for D in (64, 128) if "sink" in FAMILIES else ():
-    cases = ((200, 333, (64, 0), True), (64, 600, (32, 16), False), (200, 333, (300, 0), True))
-    for Sq, Sk, window, causal in cases:
+    # (Sq, Sk, window, causal, kv heads); the last, two grid rows whose short walks launch
+    # after both rows' long ones at D = 128 (the fast backward's launch_order)
+    cases = (
+        (200, 333, (64, 0), True, 1),
+        (64, 600, (32, 16), False, 1),
+        (200, 333, (300, 0), True, 1),
+        (1000, 1000, (300, 0), True, 2),
+    )
+    for Sq, Sk, window, causal, Hkv in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (
             torch.randn(1, heads, S, D, generator=g, device="cuda", dtype=torch.bfloat16)
-            for S, heads in ((Sq, 4), (Sk, 1), (Sk, 1), (Sq, 4))
+            for S, heads in ((Sq, 4), (Sk, Hkv), (Sk, Hkv), (Sq, 4))
         )
         sinks = torch.randn(4, generator=g, device="cuda")
         leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
@@ -58,7 +65,7 @@ for D in (64, 128) if "sink" in FAMILIES else ():
         grads = torch.autograd.grad(out, leaves, dout)
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
-        print(f"sink D{D} Sq{Sq} Sk{Sk} window {window}: finite", finite)
+        print(f"sink D{D} Sq{Sq} Sk{Sk} Hkv{Hkv} window {window}: finite", finite)
 
 varlen = load_script("flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
 lens_q, lens_k = [200, 0, 17, 130], [333, 5, 17, 64]
