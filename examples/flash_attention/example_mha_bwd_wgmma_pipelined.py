@@ -449,7 +449,10 @@ def launch_order(i, n_long, n_rows):
     one-dimensional grid in the plain order (its indices a shift and a mask) measured level
     (1.00x). In that build nvcc turns the D = 64 window mask's selects into branches around
     each exp2 (SASS: no FSEL left of 128, 192 BRA against 76), as it did with two selects at
-    D = 128 (``window_compare``); D = 64 keeps the plain grid. The key blocks of every row in
+    D = 128 (``window_compare``); D = 64 keeps the plain grid. Two branch-free D = 64 builds of
+    the order, timed later (same rows), did not win either: the unsigned compare at D = 64 too,
+    1.00x at (1024, 0) and 0.97x at (512, 0); the order written without selects, 0.98x and
+    0.94x (at D = 128 0.98-1.02x, level). The key blocks of every row in
     turn (a grid with the key block slowest: the same last wave, no index arithmetic) lost at
     both: D128 0.92-0.97x, (256, 256) 0.91x, D64 0.98-0.99x. The indices held in shared memory,
     or in variables, made ptxas spill (4 and 8 bytes at D = 128), so those forms were not
