@@ -467,6 +467,90 @@ def test_two_thread_block_default_falls_back_where_tilelang_rejects_it():
         build(cfg)
 
 
+def test_entry_is_the_built_kernels_main_function():
+    """``entry``: the compiled ``main`` of a kernel built in this process (an executable linked
+    on first use) or loaded from TileLang's cache (a module), not TileLang's call wrapper; the
+    kernel itself for an adapter without an executable. The entry point still checks its
+    arguments: CPU tensors are refused, not launched."""
+    import types
+
+    import harness
+
+    mod = load_script(FWD)
+    bwd = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
+    kernel = harness.compile_for(bwd.flashattn_bwd_sinks, "sm_90a", 1, 4, 37, 64)
+    built = kernel.adapter.get_exportable_executable()
+    module = built.jit() if hasattr(built, "jit") else built
+    main = mod.entry(kernel)
+    assert main is module.main and main is not kernel
+    loaded = types.SimpleNamespace(
+        adapter=types.SimpleNamespace(get_exportable_executable=lambda: module)
+    )
+    assert mod.entry(loaded) is module.main
+    other = types.SimpleNamespace(adapter=object())
+    assert mod.entry(other) is other
+    args = (torch.zeros(4), torch.zeros(1, 4, 37), torch.zeros(1, 4, 64), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="device_type mismatch"):
+        main(*args)
+
+
+def test_forward_and_dq_pass_plans_are_settled_once_a_shape(monkeypatch):
+    """The eager path's plans: ``forward_plan`` and ``dq_pass_plan`` build their kernels on a
+    shape's first call and reuse them after (a new shape or new tiles build again); a caller's
+    tiles reach the build. The device is an H100 stand-in (132 SMs) and the builds are
+    recorded, not compiled."""
+    import types
+
+    mod = load_script(FWD)
+    bwd = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
+    props = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(mod, "entry", lambda kernel: kernel)
+    built = []
+
+    def record(name):
+        def factory(*args, **kw):
+            built.append((name, args, kw))
+            return (name, args, tuple(sorted(kw.items())))
+
+        return factory
+
+    monkeypatch.setattr(mod, "flashattn_fwd", record("fwd"))
+    monkeypatch.setattr(bwd, "flashattn_bwd_dq", record("dq"))
+    monkeypatch.setattr(bwd.fast_bwd, "flash_bwd", record("dkdv"))
+    plans = (mod.forward_plan, bwd.dq_pass_plan)
+    for plan in plans:
+        plan.cache_clear()
+    try:
+        check_plans_are_settled_once_a_shape(mod, bwd, built)
+    finally:  # the stand-ins' plans must not outlive the test
+        for plan in plans:
+            plan.cache_clear()
+
+
+def check_plans_are_settled_once_a_shape(mod, bwd, built):
+    """The body of the test above, with its stand-ins in place."""
+    device = torch.device("cuda", 0)
+    fwd_args = (1, 8, 2, 4096, 4096, 64, (128, 0), True, True, 0.125, "bfloat16")
+    first = mod.forward_plan(*fwd_args, None, device)
+    assert mod.forward_plan(*fwd_args, None, device) is first
+    assert [b[0] for b in built] == ["fwd"]
+    tiles = (("block_M", 64), ("block_N", 64), ("ctas_per_sm", 1), ("num_stages", 2))
+    mod.forward_plan(*fwd_args, tiles + (("q_stages", 1),), device)
+    assert len(built) == 2 and built[1][2]["block_M"] == 64 and built[1][2]["num_sms"] == 132
+    mod.forward_plan(1, 8, 2, 2048, 2048, *fwd_args[5:], None, device)
+    assert len(built) == 3
+
+    built.clear()
+    dq_args = (1, 8, 2, 4096, 4096, 64, (128, 0), 0.125, "bfloat16", None, device)
+    cfg, seq_q_pad, entries = bwd.dq_pass_plan(*dq_args)
+    assert bwd.dq_pass_plan(*dq_args)[2] is entries
+    assert list(entries) == ["flash_bwd_dq", "flash_bwd_dkdv"]
+    assert [b[0] for b in built] == ["dq", "dkdv"]  # built once, in launch order
+    assert [e[0] for e in entries.values()] == ["dq", "dkdv"]
+    assert seq_q_pad % cfg["block_N"] == 0 and seq_q_pad >= 4096
+
+
 @pytest.mark.parametrize("left,runs", [(1000, 3), (-1, 1)])
 def test_key_loop_runs(left, runs):
     """A window bounded on the left: the key loop in three runs (left edge masked, whole blocks,

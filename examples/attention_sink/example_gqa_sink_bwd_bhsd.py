@@ -78,6 +78,7 @@ Run:
     python examples/attention_sink/example_gqa_sink_bwd_bhsd.py --compile-only --arch sm_90a
 """
 
+import functools
 import math
 import pathlib
 import sys
@@ -593,22 +594,37 @@ def dq_pass_kernels(B, H, Hkv, Sq, Sk, D, left, right, softmax_scale, dtype, cfg
     return kernels
 
 
+@functools.lru_cache(maxsize=256)
+def dq_pass_plan(B, H, Hkv, Sq, Sk, D, window, softmax_scale, dtype, config, device):
+    """What every dQ-pass backward of one shape shares, settled on its first call: the tiles
+    (``config``: the caller's as sorted (key, value) pairs, or None for ``dkdv_config``),
+    delta's padded length and the ``entry`` of each kernel of ``dq_pass_kernels``, in launch
+    order. Settling them on every call (the device's SM count, the tiles, three kernel
+    lookups) took more host time than the launches."""
+    cfg = dict(config) if config else None
+    if not cfg:  # the default, for this grid (as run_backward chooses it)
+        cfg = dkdv_config(D, fast_bwd.grid_config(D, B, H, Hkv, Sk, False, window, device))
+    seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
+    kernels = dq_pass_kernels(B, H, Hkv, Sq, Sk, D, *window, softmax_scale, dtype, cfg)
+    entries = {name: fwd.entry(f(*args, **kw)) for name, (f, args, kw) in kernels.items()}
+    return cfg, seq_q_pad, entries
+
+
 def run_backward_dq_pass(dout, q, k, v, out, lse, softmax_scale, config, window):
     """The ``group`` backward of a narrow window (``dq_pass_pays``): ``dq, dk, dv`` and
     ``delta`` (float32 ``[B, H, Sq']``, Sq' padded to the hand-scheduled kernel's query blocks,
     rows past Sq 0), as ``run_backward`` returns them."""
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
-    cfg = config
-    if not cfg:  # the default, for this grid (as run_backward chooses it)
-        cfg = dkdv_config(D, fast_bwd.grid_config(D, B, H, Hkv, Sk, False, window, q.device))
+    key = tuple(sorted(config.items())) if config else None
+    cfg, seq_q_pad, entries = dq_pass_plan(
+        B, H, Hkv, Sq, Sk, D, tuple(window), softmax_scale, fwd.dtype_name(q), key, q.device
+    )
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
-    seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kernels = dq_pass_kernels(B, H, Hkv, Sq, Sk, D, *window, softmax_scale, fwd.dtype_name(q), cfg)
     dk_out, dv_out = dk, dv
-    if "flash_bwd_post_kv" in kernels:  # each part's float32 dK, dV, summed after the kernel
+    if "flash_bwd_post_kv" in entries:  # each part's float32 dK, dV, summed after the kernel
         splits = cfg["head_splits"]
         dk_out = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
         dv_out = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
@@ -617,8 +633,8 @@ def run_backward_dq_pass(dout, q, k, v, out, lse, softmax_scale, config, window)
         "flash_bwd_dkdv": (q, k, v, dout, lse2, delta, dk_out, dv_out),
         "flash_bwd_post_kv": (dk_out, dv_out, dk, dv),
     }
-    for name, (factory, args, kw) in kernels.items():
-        factory(*args, **kw)(*launches[name])
+    for name, launch in entries.items():
+        launch(*launches[name])
     return dq, dk, dv, delta
 
 
@@ -628,8 +644,14 @@ def sink_grad(sinks, lse, delta):
     and ``delta [B, H, Sq']`` (Sq' >= Sq: the rows past Sq are not read)."""
     B, H, Sq = lse.shape
     dsinks = torch.empty(H, dtype=torch.float32, device=lse.device)
-    flashattn_bwd_sinks(B, H, Sq, delta.shape[2])(sinks, lse, delta, dsinks)
+    sink_grad_entry(B, H, Sq, delta.shape[2])(sinks, lse, delta, dsinks)
     return dsinks
+
+
+@functools.lru_cache(maxsize=256)
+def sink_grad_entry(B, H, Sq, delta_len):
+    """``flashattn_bwd_sinks``'s ``entry`` for one shape, looked up once."""
+    return fwd.entry(flashattn_bwd_sinks(B, H, Sq, delta_len))
 
 
 def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale):
