@@ -715,10 +715,10 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
         out.zero_()
         lse.fill_(math.inf)
     elif out.numel() > 0:
-        tiles = tuple(sorted(config.items())) if config else None
+        key = tuple(sorted(config.items())) if config else None
         launch = forward_plan(
             B, H, Hkv, Sq, Sk, D, tuple(window_size), causal, sinks is not None,
-            float(softmax_scale), dtype_name(q), tiles, q.device,
+            float(softmax_scale), dtype_name(q), key, q.device,
         )  # fmt: skip
         # The kernel takes a sinks tensor either way; without sinks it never reads it.
         sinks_in = sinks.detach().contiguous() if sinks is not None else lse.new_empty(H)
@@ -728,22 +728,23 @@ def attention_forward(q, k, v, sinks, window_size, causal, softmax_scale, config
 
 @functools.lru_cache(maxsize=256)
 def forward_plan(B, H, Hkv, Sq, Sk, D, window_size, causal, has_sinks, softmax_scale, dtype,
-                 tiles, device):  # fmt: skip
+                 config, device):  # fmt: skip
     """The kernel every forward of one shape launches, settled on its first call: the window on
-    the real lengths, the tiles (``tiles``: the caller's config as sorted (key, value) pairs, or
-    None for ``default_config``), the device's SM count and the build, as ``entry``. Settling
-    them on every call took about as much host time as the launch itself."""
+    the real lengths, the tiles (``config``: the caller's as sorted (key, value) pairs, or None
+    for ``default_config``), the device's SM count and the build, as ``entry``: host work that
+    only the shape decides, which a narrow window's forward (a fraction of a millisecond on the
+    GPU) would otherwise pay on every call."""
     left, right = normalize_window(window_size, causal, Sq, Sk)
     arch = device_arch(device)
     measured = default_config(D, (left, right), arch, Sk)  # raises off Hopper
-    cfg = dict(tiles) if tiles else measured
+    cfg = dict(config) if config else measured
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     args = (B, H, Hkv, Sq, Sk, D, left, right, has_sinks, softmax_scale, dtype)
 
     def build(tiles):
         return flashattn_fwd(*args, **tiles, num_sms=num_sms)
 
-    if not tiles and cfg["ctas_per_sm"] > 1:  # one thread block where two do not build
+    if not config and cfg["ctas_per_sm"] > 1:  # one thread block where two do not build
         single = single_cta_config(D, (left, right), arch, Sk)
         return entry(build_with_fallback(build, cfg, single, (args, num_sms)))
     return entry(build(cfg))
