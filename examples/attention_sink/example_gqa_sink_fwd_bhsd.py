@@ -73,6 +73,9 @@ API (FlashAttention's argument conventions; docs/CONVENTIONS.md):
 Underneath, ``attention`` calls the custom operator ``tl_attn::gqa_sink_fwd_bhsd``
 (``torch.library``), so ``torch.compile(model, fullgraph=True)`` compiles a model around it
 without a graph break.
+Whichever way it is called, the kernel for a shape is settled once (``forward_plan``: window,
+tiles, SM count, build) and launched through its compiled entry point (``entry``), so that a
+narrow window's forward, a fraction of a millisecond on the GPU, is not paced by host work.
 
 Run:
     python examples/attention_sink/example_gqa_sink_fwd_bhsd.py --causal --window 128 0
