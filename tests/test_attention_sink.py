@@ -471,7 +471,8 @@ def test_entry_is_the_built_kernels_main_function():
     """``entry``: the compiled ``main`` of a kernel built in this process (an executable linked
     on first use) or loaded from TileLang's cache (a module), not TileLang's call wrapper; the
     kernel itself for an adapter without an executable. The entry point still checks its
-    arguments: CPU tensors are refused, not launched."""
+    arguments: CPU tensors are refused, not launched, and its host code checks shapes and
+    dtypes."""
     import types
 
     import harness
@@ -492,6 +493,9 @@ def test_entry_is_the_built_kernels_main_function():
     args = (torch.zeros(4), torch.zeros(1, 4, 37), torch.zeros(1, 4, 64), torch.zeros(4))
     with pytest.raises(RuntimeError, match="device_type mismatch"):
         main(*args)
+    host = kernel.adapter.get_host_source()  # the checks main runs before it launches
+    for check in ("input lse shape[2] violates", "input Delta dtype mismatch"):
+        assert check in host
 
 
 def test_forward_and_dq_pass_plans_are_settled_once_a_shape(monkeypatch):
