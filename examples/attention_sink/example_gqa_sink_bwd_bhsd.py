@@ -604,8 +604,9 @@ def dq_pass_plan(B, H, Hkv, Sq, Sk, D, window, softmax_scale, dtype, config, dev
     delta's padded length and the ``entry`` of each kernel of ``dq_pass_kernels``, in launch
     order. Settling them on every call (the device's SM count, the tiles, three kernel
     lookups) took more host time than the launches."""
-    cfg = dict(config) if config else None
-    if not cfg:  # the default, for this grid (as run_backward chooses it)
+    if config:
+        cfg = dict(config)
+    else:  # the default, for this grid (as run_backward chooses it)
         cfg = dkdv_config(D, fast_bwd.grid_config(D, B, H, Hkv, Sk, False, window, device))
     seq_q_pad = fast_bwd.padded_len(Sq, cfg["block_N"])
     kernels = dq_pass_kernels(B, H, Hkv, Sq, Sk, D, *window, softmax_scale, dtype, cfg)
