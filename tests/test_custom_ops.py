@@ -1021,6 +1021,31 @@ def test_compiled_sink_model_matches_eager(script, window, causal, sinks, dtype)
     compare(got[1:], eager[1:], 2e-2, names)  # fp16/bf16 gradients
 
 
+@pytest.mark.gpu
+def test_sink_training_step_replays_under_cuda_graph_trees():
+    """The sink model compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graph trees, the
+    way to run a window-128 layer at its kernels' pace): the operators are captured, no
+    cudagraph skip is counted, and the third step, a replay, on a new batch gives eager's
+    output and gradients (x, every weight and the sinks)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = SinkModel(load_script(SINK_BWD).attention, 4, 2, 64, (128, 0), True, True)
+    model = model.to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    counters["inductor"].clear()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        x, dout = dense_batch(torch.bfloat16, S=300)
+        got = [t.clone() for t in training_step(compiled, x, dout)]  # a replay reuses memory
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    eager = training_step(model, x, dout)
+    names = ["dx"] + [f"d{name}" for name, _ in model.named_parameters()]
+    compare(got[:1], eager[:1], 1e-2, ["out"])  # bf16 forward
+    compare(got[1:], eager[1:], 2e-2, names)  # bf16 gradients
+
+
 EAGER_GPU = [s for s in BACKWARD if s not in NO_CONFIG] + [SINK_BWD]  # the Hopper ones
 
 
