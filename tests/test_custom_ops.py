@@ -1023,10 +1023,10 @@ def test_compiled_sink_model_matches_eager(script, window, causal, sinks, dtype)
 
 @pytest.mark.gpu
 def test_sink_training_step_replays_under_cuda_graph_trees():
-    """The sink model compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graph trees, the
-    way to run a window-128 layer at its kernels' pace): the operators are captured, no
-    cudagraph skip is counted, and the third step, a replay, on a new batch gives eager's
-    output and gradients (x, every weight and the sinks)."""
+    """The sink model compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graph trees,
+    which the README recommends for compiled window-128 layers): no cudagraph skip is counted,
+    and the third step (after warm-up and recording) on a new batch gives eager's output and
+    gradients (x, every weight and the sinks)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
