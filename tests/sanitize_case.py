@@ -5,14 +5,16 @@ attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, bo
 edges, key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused
 kernel) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
 the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
-partial blocks) — for compute-sanitizer (not collected by pytest). On an H100, from the
-repository root:
+partial blocks), and the dense forward with its tiles in parts over the keys (non-causal, ragged
+keys: two parts a tile, merged by the combine kernel) — for compute-sanitizer (not collected by
+pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py sink   # one family:
-                                                        # mha (MHA and GQA), sink or varlen
+                                                        # mha (MHA and GQA), sink, varlen
+                                                        # or fwd
 """
 
 import pathlib
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import load_script  # noqa: E402
 
-FAMILIES = sys.argv[1:] or ["mha", "sink", "varlen"]
+FAMILIES = sys.argv[1:] or ["mha", "sink", "varlen", "fwd"]
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
 for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attention, 4, 1)):
@@ -82,3 +84,12 @@ for D in (64, 128) if "varlen" in FAMILIES else ():
     grads = torch.autograd.grad(out, leaves, dout)
     torch.cuda.synchronize()
     print(f"varlen D{D}: finite", all(bool(torch.isfinite(t).all()) for t in (out, *grads)))
+
+dense = load_script("flash_attention/example_mha_fwd_bshd.py")
+for D in (64, 128) if "fwd" in FAMILIES else ():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, S, 4, D, generator=g, device="cuda") for S in (17, 1100, 1100))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    out = dense.attention(q, k, v)  # 4 tiles, 9 key blocks: two parts a tile
+    torch.cuda.synchronize()
+    print(f"forward in parts D{D}: finite", bool(torch.isfinite(out).all()))

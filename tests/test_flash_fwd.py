@@ -186,9 +186,52 @@ def test_persistent_grid(script):
 
     assert grid(4, 4096, False, 132) == 132  # 1024 tiles
     assert grid(4, 4096, True, 114) == 114  # 512 pairs; an H100 PCIe has 114 SMs
-    assert grid(1, 1000, False, 132) == 8 * 8  # 8 heads x 8 query blocks
+    # 8 heads x 8 query blocks: without causal each tile in two parts over its 8 key blocks
+    assert grid(1, 1000, False, 132) == 8 * 8 * 2
     assert grid(1, 1000, True, 132) == 8 * 8  # as many tiles as SMs or fewer: no pairs
     assert grid(3, 1000, True, 132) == 3 * 8 * 4  # 192 tiles: 96 pairs
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kv_split_plan(script):
+    """Which tiles go whole and which in parts over their keys (kv_split_plan): only without
+    causal, only tiles of a last round that leaves SMs idle, parts of at least MIN_PART_BLOCKS
+    key blocks, no more parts than SMs."""
+    plan = load_script(script).kv_split_plan
+    assert plan(4096, 132, 32, False) == (4092, 4, 8)  # 31 rounds, then 4 tiles in 8 parts
+    assert plan(4096, 132, 128, False) == (4092, 4, 32)  # parts of 4 key blocks
+    assert plan(4096, 132, 256, False) == (4092, 4, 33)  # no more parts than 132 SMs take
+    assert plan(4096, 132, 32, True) == (4096, 0, 1)  # causal: pairs, never parts
+    assert plan(1056, 132, 32, False) == (1056, 0, 1)  # whole rounds only
+    assert plan(1024, 132, 32, False) == (1024, 0, 1)  # 100 tiles in the last round: no room
+    assert plan(4096, 132, 7, False) == (4096, 0, 1)  # parts would have fewer than 4 blocks
+    assert plan(4, 132, 32, False) == (0, 4, 8)  # fewer tiles than SMs: every tile in parts
+    assert plan(32, 132, 8, False) == (0, 32, 2)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_split_tiles_build(script):
+    """A grid with parts: the forward takes the parts' float32 outputs and lse, writes them from
+    registers and spills nothing; the combine kernel builds for the same shape."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(script)
+    heads = (4, 2) if script == GQA else (4,)
+    cfg = mod.default_config(128, False, "sm_90a", 4000)
+    args = (1, *heads, 17, 4000, 128, False, 128**-0.5, "bfloat16")
+    kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
+    src = kernel.get_kernel_source()
+    assert "float* __restrict__ O_part" in src and "float* __restrict__ lse_part" in src
+    report = ptxas_report(src)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    # 4 tiles (one query block of 4 heads), 32 key blocks: 8 parts each, 32 thread blocks
+    assert mod.kv_split_plan(4, 132, 32, False) == (0, 4, 8)
+    assert _grid_size(mod.flashattn_fwd.get_tir(*args, **cfg)) == 32
+    combine = (1, 4, 17, 128, "bfloat16", cfg["block_M"], 0, 4, 8)
+    src = harness.compile_for(mod.flashattn_fwd_combine, "sm_90a", *combine).get_kernel_source()
+    assert "exp2" in src and "lse_part" in src
 
 
 def test_hopper_only():
@@ -306,6 +349,17 @@ def _gpu_cases():
         (GQA, 2, 255, 1000, 8, 2, 128, True, f16, 1),
         (GQA, 1, 1000, 255, 8, 1, 64, True, bf16, 1),
         (GQA, 2, 1000, 1000, 8, 2, 128, True, bf16, 10),
+    ]
+    # Tiles in parts over their keys (kv_split_plan): a last round of 24 tiles in two parts
+    # after eight whole rounds; every tile in parts, with ragged keys, at each head dim and
+    # with large logits.
+    cases += [
+        (BSHD, 3, 1000, 1000, 45, 45, 128, False, bf16, 1),
+        (BSHD, 2, 1000, 4000, 5, 5, 64, False, f16, 1),
+        (BSHD, 1, 300, 5000, 3, 3, 256, False, bf16, 1),
+        (BSHD, 1, 17, 4100, 4, 4, 128, False, f16, 10),
+        (BHSD, 1, 200, 3000, 4, 4, 128, False, bf16, 1),
+        (GQA, 1, 100, 3000, 8, 2, 128, False, f16, 1),
     ]
     # Persistent schedule: many tiles per thread block; causal pairs that straddle heads (an odd
     # number of query blocks a head); Sq < Sk; each head dim.

@@ -17,6 +17,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   asynchronous WGMMA and runs the softmax of block k while the second one still runs;
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
   under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
+- split-KV for the last round: without causal, the tiles of a last round that would leave SMs
+  idle (all of them, when there are fewer tiles than SMs) are each walked as several parts over
+  their key blocks, one a thread block, and a second kernel (``flashattn_fwd_combine``) merges a
+  row's parts by their log-sum-exp;
 - a tile's key blocks in two loops, those no query of the tile can mask out first, then those
   on the causal diagonal or past Sk, so that neither loop branches on the mask.
 
@@ -66,6 +70,28 @@ PRODUCER_REGS = 24
 
 
 # ----------------------------------------------------------------------------- kernel
+MIN_PART_BLOCKS = 4  # key blocks a part walks at least (its Q load and epilogue are fixed costs)
+
+
+def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
+    """How the persistent forward deals its tiles: ``(whole_tiles, split_tiles, kv_splits)``.
+
+    Without causal every tile costs the same, so when ``num_tiles`` is not a multiple of the SMs
+    the last round's ``num_tiles % num_sms`` tiles run while the other SMs idle (the one round,
+    when there are fewer tiles than SMs). Those tiles are split over their keys instead: each
+    into ``kv_splits`` parts of at least MIN_PART_BLOCKS key blocks, one a thread block, as many
+    as the SMs take. The first ``whole_tiles`` tiles are walked whole. ``kv_splits`` 1: no split
+    (causal tiles, whose costs differ, are paired instead; see flashattn_fwd).
+    """
+    rounds, tail = divmod(num_tiles, num_sms)
+    splits = 1
+    if not causal and tail:
+        splits = max(1, min(num_sms // tail, n_kv_blocks // MIN_PART_BLOCKS))
+    if splits == 1:
+        return num_tiles, 0, 1
+    return rounds * num_sms, tail, splits
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_fwd(
     batch,
@@ -107,8 +133,17 @@ def flashattn_fwd(
     num_m_blocks = (seq_q + block_M - 1) // block_M
     num_tiles = num_m_blocks * heads * batch
     tiles_per_unit = 2 if causal and num_tiles > num_sms else 1
-    num_units = (num_tiles + tiles_per_unit - 1) // tiles_per_unit
-    grid = min(num_sms, num_units)
+    # Without causal every tile costs the same, and the tiles of a last round that leaves SMs
+    # idle are split over their keys instead (``kv_split_plan``): the first ``whole_tiles`` go
+    # round-robin as whole tiles; each of the others is walked as ``kv_splits`` parts, one a
+    # thread block, each over its share of the key blocks, leaving its normalised output and
+    # lse in float32 (``O_part``, ``lse_part``) for ``flashattn_fwd_combine``.
+    whole_tiles, split_tiles, kv_splits = kv_split_plan(
+        num_tiles, num_sms, (seq_kv + block_N - 1) // block_N, causal
+    )
+    n_parts = split_tiles * kv_splits
+    num_units = (whole_tiles + tiles_per_unit - 1) // tiles_per_unit
+    grid = min(num_sms, max(num_units, n_parts))
 
     def tile_index(cta, it):
         # The it-th tile of thread block cta: units dealt round-robin, a unit's tiles in a row.
@@ -209,14 +244,116 @@ def flashattn_fwd(
             acc_o[i, j] *= scores_scale[i]
         T.copy(acc_s, acc_s_cast)
 
-    @T.prim_func
-    def flash_fwd(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(kv_shape, dtype),
-        V: T.Tensor(kv_shape, dtype),
-        Output: T.Tensor(q_shape, dtype),
-        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
-    ):
+    def part_coords(cta):
+        # (tile, first key block, key blocks) of the part thread block cta walks.
+        t = whole_tiles + cta // kv_splits
+        n_kv_blocks = (seq_kv + block_N - 1) // block_N
+        p = cta % kv_splits
+        first = p * n_kv_blocks // kv_splits
+        return t, first, (p + 1) * n_kv_blocks // kv_splits - first
+
+    @T.macro
+    def load_tile(
+        m_blk, by, bz, first, n_blocks, kv_count, tile_count, Q, K, V, Q_shared, K_shared,
+        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+    ):  # fmt: skip
+        # Producer: the tile's Q, then K and V of key blocks first … first + n_blocks - 1.
+        # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+        # wait on an "empty" barrier (parity 1) passes at once.
+        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
+        # Rows past Sq read as zeros (TMA fills out-of-bounds), never stored.
+        T.tma_copy(
+            Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :],
+            Q_shared,
+            barrier=q_full,
+        )
+        T.barrier_arrive(q_full)
+        for k in T.serial(n_blocks):
+            g = kv_count + k
+            stage = g % num_stages
+            phase = (g // num_stages) & 1
+            key_block = first + k
+            T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+            T.tma_copy(
+                K[bz, by, key_block * block_N : (key_block + 1) * block_N, :],
+                K_shared[stage, :, :],
+                barrier=k_full[stage],
+            )
+            T.barrier_arrive(k_full[stage])
+            T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+            T.tma_copy(
+                V[bz, by, key_block * block_N : (key_block + 1) * block_N, :],
+                V_shared[stage, :, :],
+                barrier=v_full[stage],
+            )
+            T.barrier_arrive(v_full[stage])
+
+    @T.macro
+    def compute_tile(
+        m_blk, first, split, end, first_is_masked, kv_count, tile_count, Q_shared, K_shared,
+        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+        scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+    ):  # fmt: skip
+        # Consumers: key blocks first … end - 1 of a tile into acc_o (not yet normalised),
+        # logsum and scores_max; the first one takes the mask if ``first_is_masked``, the
+        # others from ``split`` on: a constant, or a one-element local buffer (read in the
+        # loop bounds themselves; see the kernel's ``split``).
+        T.fill(acc_o, 0)
+        T.fill(logsum, 0)
+        T.fill(scores_max, neg_inf)
+        T.mbarrier_wait_parity(q_full, tile_count & 1)
+
+        # The first key block: S = Q Kᵀ, its softmax; P waits in registers.
+        stage = kv_count % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+        T.wgmma_gemm(
+            Q_shared,
+            K_shared[stage, :, :],
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        T.wait_wgmma(0)
+        T.barrier_arrive(k_empty[stage])
+        online_softmax(
+            first, m_blk, first_is_masked, acc_s, scores_max, scores_max_prev,
+            scores_scale, scores_sum, logsum,
+        )  # fmt: skip
+        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
+
+        # The others in two loops, so that neither branches on the mask inside. Without causal
+        # a whole tile's bounds are constants, and aligned keys need no masked loop.
+        for k in T.serial(first + 1, split if isinstance(split, int) else split[0]):
+            key_block_step(
+                k, kv_count + k - first, m_blk, False, Q_shared, K_shared, V_shared, k_full,
+                v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                scores_max_prev, scores_scale, scores_sum, logsum,
+            )  # fmt: skip
+        if causal or kv_splits > 1 or split < end:
+            for k in T.serial(split if isinstance(split, int) else split[0], end):
+                key_block_step(
+                    k, kv_count + k - first, m_blk, True, Q_shared, K_shared, V_shared, k_full,
+                    v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                    scores_max_prev, scores_scale, scores_sum, logsum,
+                )  # fmt: skip
+        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
+        T.barrier_arrive(q_empty)
+
+        g = kv_count + end - first - 1
+        stage = g % num_stages
+        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+        T.wgmma_gemm(
+            acc_s_cast,
+            V_shared[stage, :, :],
+            acc_o,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        T.wait_wgmma(0)
+        T.barrier_arrive(v_empty[stage])
+
+    @T.macro
+    def kernel_body(Q, K, V, Output, lse, O_part, lse_part):
         with T.Kernel(grid, threads=consumers + 128) as cta:
             Q_shared = T.alloc_shared([block_M, dim], dtype)
             K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -249,8 +386,10 @@ def flashattn_fwd(
                 # The tile's first masked key block, held in a variable: as an expression in
                 # the loop bounds, TileLang 0.1.15's ThreadSync pass rejects the epilogue's
                 # shared-memory sync on some shapes ("a divergent region with 249
-                # participating threads").
-                split = T.alloc_var("int32")
+                # participating threads"). A part's, likewise.
+                split = T.alloc_local([1], "int32")
+            if kv_splits > 1:
+                part_split = T.alloc_local([1], "int32")
             kv_count = 0
             tile_count = 0
             n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
@@ -261,106 +400,42 @@ def flashattn_fwd(
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
                 for it in T.serial(n_iter):
                     t = tile_index(cta, it)
-                    if t < num_tiles:
+                    if t < whole_tiles:
                         m_blk, by, bz = tile_coords(t)
                         n_blocks = key_blocks(m_blk)
-                        # A fresh mbarrier counts as having completed the phase before phase 0,
-                        # so the first wait on an "empty" barrier (parity 1) passes at once.
-                        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
-                        # Rows past Sq read as zeros (TMA fills out-of-bounds), never stored.
-                        T.tma_copy(
-                            Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :],
-                            Q_shared,
-                            barrier=q_full,
-                        )
-                        T.barrier_arrive(q_full)
-                        for k in T.serial(n_blocks):
-                            g = kv_count + k
-                            stage = g % num_stages
-                            phase = (g // num_stages) & 1
-                            T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
-                            T.tma_copy(
-                                K[bz, by, k * block_N : (k + 1) * block_N, :],
-                                K_shared[stage, :, :],
-                                barrier=k_full[stage],
-                            )
-                            T.barrier_arrive(k_full[stage])
-                            T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
-                            T.tma_copy(
-                                V[bz, by, k * block_N : (k + 1) * block_N, :],
-                                V_shared[stage, :, :],
-                                barrier=v_full[stage],
-                            )
-                            T.barrier_arrive(v_full[stage])
+                        load_tile(
+                            m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V, Q_shared,
+                            K_shared, V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        )  # fmt: skip
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
+                if kv_splits > 1 and cta < n_parts:
+                    t, first, part_blocks = part_coords(cta)
+                    m_blk, by, bz = tile_coords(t)
+                    load_tile(
+                        m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V, Q_shared,
+                        K_shared, V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                    )  # fmt: skip
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
                 for it in T.serial(n_iter):
                     t = tile_index(cta, it)
-                    if t < num_tiles:
+                    if t < whole_tiles:
                         m_blk, by, bz = tile_coords(t)
                         n_blocks = key_blocks(m_blk)
                         first_masked = first_masked_block(m_blk)
-                        T.fill(acc_o, 0)
-                        T.fill(logsum, 0)
-                        T.fill(scores_max, neg_inf)
-                        T.mbarrier_wait_parity(q_full, tile_count & 1)
-
-                        # Key block 0: S = Q Kᵀ, its softmax; P(0) waits in registers.
-                        stage = kv_count % num_stages
-                        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
-                        T.wgmma_gemm(
-                            Q_shared,
-                            K_shared[stage, :, :],
-                            acc_s,
-                            transpose_B=True,
-                            clear_accum=True,
-                            policy=T.GemmWarpPolicy.FullRow,
-                        )
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(k_empty[stage])
-                        online_softmax(
-                            0, m_blk, first_masked == 0, acc_s, scores_max, scores_max_prev,
-                            scores_scale, scores_sum, logsum,
-                        )  # fmt: skip
-                        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
-
-                        # Key blocks 1 … n_blocks - 1; those from ``first_masked`` on take the mask.
-                        # Two loops, so that neither branches on the mask inside. Without
-                        # causal both bounds are constants, and aligned keys need no masked loop.
+                        # Key blocks 1 … n_blocks - 1 from ``split`` on take the mask.
                         if causal:
-                            split = T.max(1, T.min(first_masked, n_blocks))
+                            split[0] = T.max(1, T.min(first_masked, n_blocks))
                         else:
                             split = max(1, min(first_masked, n_blocks))
-                        for k in T.serial(1, split):
-                            key_block_step(
-                                k, kv_count + k, m_blk, False, Q_shared, K_shared, V_shared,
-                                k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
-                                scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
-                            )  # fmt: skip
-                        if causal or split < n_blocks:
-                            for k in T.serial(split, n_blocks):
-                                key_block_step(
-                                    k, kv_count + k, m_blk, True, Q_shared, K_shared, V_shared,
-                                    k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
-                                    scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
-                                )  # fmt: skip
-                        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
-                        T.barrier_arrive(q_empty)
-
-                        g = kv_count + n_blocks - 1
-                        stage = g % num_stages
-                        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
-                        T.wgmma_gemm(
-                            acc_s_cast,
-                            V_shared[stage, :, :],
-                            acc_o,
-                            policy=T.GemmWarpPolicy.FullRow,
-                        )
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(v_empty[stage])
+                        compute_tile(
+                            m_blk, 0, split, n_blocks, first_masked == 0, kv_count, tile_count,
+                            Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
+                            k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                            scores_max_prev, scores_scale, scores_sum, logsum,
+                        )  # fmt: skip
 
                         # Normalise; rows with no visible key (logsum = 0) give O = 0, lse = +inf.
                         for i, j in T.Parallel(block_M, dim):
@@ -383,8 +458,104 @@ def flashattn_fwd(
                                 )
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
+                if kv_splits > 1 and cta < n_parts:
+                    # A part: its key blocks, then its output normalised by its own row sums
+                    # and its lse (log2 units) in float32, every row of the tile (a part's
+                    # rows all see keys: it has at least one key block, no causal mask).
+                    t, first, part_blocks = part_coords(cta)
+                    m_blk = tile_coords(t)[0]
+                    part_split[0] = T.max(first + 1, T.min(seq_kv // block_N, first + part_blocks))
+                    compute_tile(
+                        m_blk, first, part_split, first + part_blocks, seq_kv // block_N <= first,
+                        kv_count, tile_count, Q_shared, K_shared, V_shared, q_full, q_empty,
+                        k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                        scores_max_prev, scores_scale, scores_sum, logsum,
+                    )  # fmt: skip
+                    for i, j in T.Parallel(block_M, dim):
+                        O_part[cta, i, j] = acc_o[i, j] / logsum[i]
+                    for i in T.Parallel(block_M):
+                        lse_part[cta, i] = T.log2(logsum[i]) + scores_max[i] * scale
+
+    if kv_splits == 1:
+
+        @T.prim_func
+        def flash_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            Output: T.Tensor(q_shape, dtype),
+            lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        ):
+            kernel_body(Q, K, V, Output, lse, None, None)
+
+    else:  # two more arguments: the parts' outputs and lse, for flashattn_fwd_combine
+
+        @T.prim_func
+        def flash_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            Output: T.Tensor(q_shape, dtype),
+            lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+            O_part: T.Tensor([n_parts, block_M, dim], accum_dtype),
+            lse_part: T.Tensor([n_parts, block_M], accum_dtype),
+        ):
+            kernel_body(Q, K, V, Output, lse, O_part, lse_part)
 
     return flash_fwd
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd_combine(
+    batch, heads, seq_q, dim, dtype, block_M, whole_tiles, split_tiles, kv_splits, rows=16
+):
+    """The split tiles' rows (``kv_split_plan``), each merged from its ``kv_splits`` parts.
+
+    Part p of a row holds O_p, normalised by its own row sum, and lse_p, the log2 of that sum
+    plus its row max (log2 units). With M = max_p lse_p and w_p = 2^(lse_p − M) the row is
+    O = Σ w_p O_p / Σ w_p and lse = (M + log2 Σ w_p) / log2 e. One thread block per ``rows``
+    rows of a split tile.
+    """
+    accum_dtype = "float32"
+    num_m_blocks = (seq_q + block_M - 1) // block_M
+    n_parts = split_tiles * kv_splits
+
+    @T.prim_func
+    def flash_fwd_combine(
+        O_part: T.Tensor([n_parts, block_M, dim], accum_dtype),
+        lse_part: T.Tensor([n_parts, block_M], accum_dtype),
+        Output: T.Tensor([batch, heads, seq_q, dim], dtype),
+        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+    ):
+        with T.Kernel(split_tiles * (block_M // rows), threads=128) as bx:
+            j, rb = bx // (block_M // rows), bx % (block_M // rows)  # split tile, rows in it
+            t = whole_tiles + j  # the tile (query block, head, batch), as flashattn_fwd deals
+            m_blk, by, bz = t % num_m_blocks, t // num_m_blocks % heads, t // (num_m_blocks * heads)
+            row0 = m_blk * block_M + rb * rows
+            lse_max = T.alloc_fragment([rows], accum_dtype)
+            weights = T.alloc_fragment([rows], accum_dtype)
+            acc_o = T.alloc_fragment([rows, dim], accum_dtype)
+            T.fill(lse_max, -T.infinity(accum_dtype))
+            T.fill(weights, 0)
+            T.fill(acc_o, 0)
+            for p in T.serial(kv_splits):
+                for i in T.Parallel(rows):
+                    lse_max[i] = T.max(lse_max[i], lse_part[j * kv_splits + p, rb * rows + i])
+            for p in T.serial(kv_splits):
+                u = j * kv_splits + p
+                for i, d in T.Parallel(rows, dim):
+                    w = T.exp2(lse_part[u, rb * rows + i] - lse_max[i])
+                    acc_o[i, d] += w * O_part[u, rb * rows + i, d]
+                for i in T.Parallel(rows):
+                    weights[i] += T.exp2(lse_part[u, rb * rows + i] - lse_max[i])
+            for i, d in T.Parallel(rows, dim):
+                if row0 + i < seq_q:  # rows past Sq are not written
+                    Output[bz, by, row0 + i, d] = T.cast(acc_o[i, d] / weights[i], dtype)
+            for i in T.Parallel(rows):
+                if row0 + i < seq_q:
+                    lse[bz, by, row0 + i] = (lse_max[i] + T.log2(weights[i])) / LOG2E
+
+    return flash_fwd_combine
 
 
 def default_config(dim, causal, arch="sm_90a", seq_len=None):
@@ -482,7 +653,18 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
         kernel = flashattn_fwd(
             B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg, num_sms=num_sms
         )
-        kernel(q, k, v, out, lse)
+        num_tiles = -(-Sq // cfg["block_M"]) * H * B
+        plan = kv_split_plan(num_tiles, num_sms, -(-Sk // cfg["block_N"]), bool(causal))
+        split_tiles, kv_splits = plan[1:]
+        if kv_splits == 1:
+            kernel(q, k, v, out, lse)
+        else:  # the last round's tiles in parts, merged by a second kernel
+            n_parts = split_tiles * kv_splits
+            o_part = torch.empty(n_parts, cfg["block_M"], D, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(n_parts, cfg["block_M"], dtype=torch.float32, device=q.device)
+            kernel(q, k, v, out, lse, o_part, lse_part)
+            combine = flashattn_fwd_combine(B, H, Sq, D, dtype, cfg["block_M"], *plan)
+            combine(o_part, lse_part, out, lse)
     return out, lse
 
 
