@@ -5,9 +5,9 @@ attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, bo
 edges, key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused
 kernel) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
 the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
-partial blocks), and the dense forward with its tiles in parts over the keys (non-causal, ragged
-keys: two parts a tile, merged by the combine kernel) — for compute-sanitizer (not collected by
-pytest). On an H100, from the repository root:
+partial blocks), and the dense forward with its tiles in parts over the keys (ragged keys, and a
+causal grid with fewer tiles than SMs: two parts a tile, merged by the combine kernel) — for
+compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
@@ -91,5 +91,10 @@ for D in (64, 128) if "fwd" in FAMILIES else ():
     q, k, v = (torch.randn(1, S, 4, D, generator=g, device="cuda") for S in (17, 1100, 1100))
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     out = dense.attention(q, k, v)  # 4 tiles, 9 key blocks: two parts a tile
+    # causal, 18 tiles in two parts of their own key blocks (the first tiles' second parts
+    # have none)
+    q2, k2, v2 = (torch.randn(1, 1100, 2, D, generator=g, device="cuda") for _ in range(3))
+    out2 = dense.attention(*(t.to(torch.bfloat16) for t in (q2, k2, v2)), causal=True)
     torch.cuda.synchronize()
-    print(f"forward in parts D{D}: finite", bool(torch.isfinite(out).all()))
+    finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(out2).all())
+    print(f"forward in parts D{D}: finite", finite)

@@ -188,7 +188,7 @@ def test_persistent_grid(script):
     assert grid(4, 4096, True, 114) == 114  # 512 pairs; an H100 PCIe has 114 SMs
     # 8 heads x 8 query blocks: without causal each tile in two parts over its 8 key blocks
     assert grid(1, 1000, False, 132) == 8 * 8 * 2
-    assert grid(1, 1000, True, 132) == 8 * 8  # as many tiles as SMs or fewer: no pairs
+    assert grid(1, 1000, True, 132) == 8 * 8 * 2  # fewer tiles than SMs: no pairs, parts
     assert grid(3, 1000, True, 132) == 3 * 8 * 4  # 192 tiles: 96 pairs
 
 
@@ -201,7 +201,8 @@ def test_kv_split_plan(script):
     assert plan(4096, 132, 32, False) == (4092, 4, 8)  # 31 rounds, then 4 tiles in 8 parts
     assert plan(4096, 132, 128, False) == (4092, 4, 32)  # parts of 4 key blocks
     assert plan(4096, 132, 256, False) == (4092, 4, 33)  # no more parts than 132 SMs take
-    assert plan(4096, 132, 32, True) == (4096, 0, 1)  # causal: pairs, never parts
+    assert plan(4096, 132, 32, True) == (4096, 0, 1)  # causal with more tiles than SMs: pairs
+    assert plan(64, 132, 32, True) == (0, 64, 2)  # causal with fewer: parts of each tile's keys
     assert plan(1056, 132, 32, False) == (1056, 0, 1)  # whole rounds only
     assert plan(1024, 132, 32, False) == (1024, 0, 1)  # 100 tiles in the last round: no room
     assert plan(4096, 132, 7, False) == (4096, 0, 1)  # parts would have fewer than 4 blocks
@@ -229,7 +230,7 @@ def test_split_tiles_build(script):
     # 4 tiles (one query block of 4 heads), 32 key blocks: 8 parts each, 32 thread blocks
     assert mod.kv_split_plan(4, 132, 32, False) == (0, 4, 8)
     assert _grid_size(mod.flashattn_fwd.get_tir(*args, **cfg)) == 32
-    combine = (1, 4, 17, 128, "bfloat16", cfg["block_M"], 0, 4, 8)
+    combine = (1, 4, 17, 128, False, "bfloat16", cfg["block_M"], 0, 4, 8)
     src = harness.compile_for(mod.flashattn_fwd_combine, "sm_90a", *combine).get_kernel_source()
     assert "exp2" in src and "lse_part" in src
 
@@ -352,8 +353,13 @@ def _gpu_cases():
     ]
     # Tiles in parts over their keys (kv_split_plan): a last round of 24 tiles in two parts
     # after eight whole rounds; every tile in parts, with ragged keys, at each head dim and
-    # with large logits.
+    # with large logits; causal grids with fewer tiles than SMs (a chunk of queries against a
+    # long context; Sq > Sk, whose first rows see no key; parts without key blocks).
     cases += [
+        (BSHD, 1, 500, 9000, 4, 4, 128, True, bf16, 1),
+        (BSHD, 1, 3000, 1200, 2, 2, 64, True, f16, 1),
+        (BSHD, 1, 2000, 2000, 2, 2, 128, True, f16, 10),
+        (GQA, 1, 300, 5000, 8, 2, 128, True, bf16, 1),
         (BSHD, 3, 1000, 1000, 45, 45, 128, False, bf16, 1),
         (BSHD, 2, 1000, 4000, 5, 5, 64, False, f16, 1),
         (BSHD, 1, 300, 5000, 3, 3, 256, False, bf16, 1),

@@ -16,10 +16,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   asynchronous WGMMA and runs the softmax of block k while the second one still runs;
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
   under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
-- split-KV for the last round: without causal, the tiles of a last round that would leave SMs
-  idle (all of them, when there are fewer tiles than SMs) are each walked as several parts over
-  their key blocks, one a thread block, and a second kernel (``flashattn_fwd_combine``) merges a
-  row's parts by their log-sum-exp;
+- split-KV where tiles would leave SMs idle (without causal the last round's, and every tile
+  when there are fewer tiles than SMs, causal too): each such tile is walked as several parts
+  over its key blocks, one a thread block, and a second kernel (``flashattn_fwd_combine``)
+  merges a row's parts by their log-sum-exp;
 - a tile's key blocks in two loops, those no query of the tile can mask out first, then those
   on the causal diagonal or past Sk, so that neither loop branches on the mask.
 
@@ -78,9 +78,11 @@ def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
     Without causal every tile costs the same, so when ``num_tiles`` is not a multiple of the SMs
     the last round's ``num_tiles % num_sms`` tiles run while the other SMs idle (the one round,
     when there are fewer tiles than SMs). Those tiles are split over their keys instead: each
-    into ``kv_splits`` parts of at least MIN_PART_BLOCKS key blocks, one a thread block, as many
-    as the SMs take. The first ``whole_tiles`` tiles are walked whole. ``kv_splits`` 1: no split
-    (causal tiles, whose costs differ, are paired instead; see flashattn_fwd).
+    into ``kv_splits`` parts of at least MIN_PART_BLOCKS key blocks (of the longest tile), one a
+    thread block, as many as the SMs take. The first ``whole_tiles`` tiles are walked whole.
+    Causal tiles differ in cost: with more tiles than SMs they are paired instead (see
+    flashattn_fwd); with fewer, each is split the same way over its own key blocks.
+    ``kv_splits`` 1: no split.
 
     MIN_PART_BLOCKS, measured on an H100 (2026-11-27, bf16 D128, one process): 2 and 8 against 4
     within 1% on the non-causal rows of 16k tokens (S1024 to S16384; two builds with the same
@@ -89,11 +91,25 @@ def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
     """
     rounds, tail = divmod(num_tiles, num_sms)
     splits = 1
-    if not causal and tail:
+    if tail and not (causal and rounds):
         splits = max(1, min(num_sms // tail, n_kv_blocks // MIN_PART_BLOCKS))
     if splits == 1:
         return num_tiles, 0, 1
     return rounds * num_sms, tail, splits
+
+
+def tile_of(t, num_m_blocks, heads, causal):
+    """(query block, head, batch) of tile t, in flashattn_fwd's order (and its combine's). Tiles
+    of one head are consecutive, so thread blocks running side by side share K/V in L2; causal,
+    a head's query blocks alternate heaviest and lightest (7, 0, 6, 1, ... of 8), so that
+    consecutive tiles pair up."""
+    r = t % num_m_blocks
+    m_blk = r
+    if causal:
+        # r even: num_m_blocks - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
+        # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
+        m_blk = r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
+    return m_blk, t // num_m_blocks % heads, t // (num_m_blocks * heads)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -138,7 +154,8 @@ def flashattn_fwd(
     num_tiles = num_m_blocks * heads * batch
     tiles_per_unit = 2 if causal and num_tiles > num_sms else 1
     # Without causal every tile costs the same, and the tiles of a last round that leaves SMs
-    # idle are split over their keys instead (``kv_split_plan``): the first ``whole_tiles`` go
+    # idle are split over their keys instead (``kv_split_plan``; causal too when there are fewer
+    # tiles than SMs, each over its own key blocks): the first ``whole_tiles`` go
     # round-robin as whole tiles; each of the others is walked as ``kv_splits`` parts, one a
     # thread block, each over its share of the key blocks, leaving its normalised output and
     # lse in float32 (``O_part``, ``lse_part``) for ``flashattn_fwd_combine``.
@@ -155,15 +172,7 @@ def flashattn_fwd(
         return (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
 
     def tile_coords(t):
-        # (query block, head, batch) of tile t. Tiles of one head are consecutive, so thread
-        # blocks running side by side share K/V in L2.
-        r = t % num_m_blocks
-        m_blk = r
-        if causal:
-            # r even: num_m_blocks - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
-            # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
-            m_blk = r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
-        return m_blk, t // num_m_blocks % heads, t // (num_m_blocks * heads)
+        return tile_of(t, num_m_blocks, heads, causal)
 
     def key_blocks(m_blk):
         # Key blocks query block m_blk visits. At least one, even when no row sees a key
@@ -249,12 +258,13 @@ def flashattn_fwd(
         T.copy(acc_s, acc_s_cast)
 
     def part_coords(cta):
-        # (tile, first key block, key blocks) of the part thread block cta walks.
-        t = whole_tiles + cta // kv_splits
-        n_kv_blocks = (seq_kv + block_N - 1) // block_N
-        p = cta % kv_splits
-        first = p * n_kv_blocks // kv_splits
-        return t, first, (p + 1) * n_kv_blocks // kv_splits - first
+        # (query block, head, batch, first key block, key blocks) of the part thread block cta
+        # walks: its share of its tile's key blocks, none when a causal tile has fewer blocks
+        # than parts.
+        m_blk, by, bz = tile_coords(whole_tiles + cta // kv_splits)
+        n_blocks, p = key_blocks(m_blk), cta % kv_splits
+        first = p * n_blocks // kv_splits
+        return m_blk, by, bz, first, (p + 1) * n_blocks // kv_splits - first
 
     @T.macro
     def load_tile(
@@ -414,12 +424,13 @@ def flashattn_fwd(
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
                 if kv_splits > 1 and cta < n_parts:
-                    t, first, part_blocks = part_coords(cta)
-                    m_blk, by, bz = tile_coords(t)
-                    load_tile(
-                        m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V, Q_shared,
-                        K_shared, V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                    )  # fmt: skip
+                    m_blk, by, bz, first, part_blocks = part_coords(cta)
+                    if part_blocks > 0:
+                        load_tile(
+                            m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V,
+                            Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
+                            k_empty, v_empty,
+                        )  # fmt: skip
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
@@ -464,21 +475,28 @@ def flashattn_fwd(
                         tile_count = tile_count + 1
                 if kv_splits > 1 and cta < n_parts:
                     # A part: its key blocks, then its output normalised by its own row sums
-                    # and its lse (log2 units) in float32, every row of the tile (a part's
-                    # rows all see keys: it has at least one key block, no causal mask).
-                    t, first, part_blocks = part_coords(cta)
-                    m_blk = tile_coords(t)[0]
-                    part_split[0] = T.max(first + 1, T.min(seq_kv // block_N, first + part_blocks))
-                    compute_tile(
-                        m_blk, first, part_split, first + part_blocks, seq_kv // block_N <= first,
-                        kv_count, tile_count, Q_shared, K_shared, V_shared, q_full, q_empty,
-                        k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
-                        scores_max_prev, scores_scale, scores_sum, logsum,
-                    )  # fmt: skip
+                    # and its lse (log2 units) in float32, every row of the tile. A row that
+                    # sees none of the part's keys (or a part without key blocks) leaves
+                    # O = 0 and lse = -inf: no weight in the merge.
+                    m_blk, by, bz, first, part_blocks = part_coords(cta)
+                    T.fill(logsum, 0)
+                    if part_blocks > 0:
+                        first_masked = first_masked_block(m_blk)
+                        part_split[0] = T.max(first + 1, T.min(first_masked, first + part_blocks))
+                        compute_tile(
+                            m_blk, first, part_split, first + part_blocks, first_masked <= first,
+                            kv_count, tile_count, Q_shared, K_shared, V_shared, q_full, q_empty,
+                            k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                            scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                        )  # fmt: skip
                     for i, j in T.Parallel(block_M, dim):
-                        O_part[cta, i, j] = acc_o[i, j] / logsum[i]
+                        O_part[cta, i, j] = T.if_then_else(
+                            logsum[i] > 0, acc_o[i, j] / logsum[i], 0
+                        )
                     for i in T.Parallel(block_M):
-                        lse_part[cta, i] = T.log2(logsum[i]) + scores_max[i] * scale
+                        lse_part[cta, i] = T.if_then_else(
+                            logsum[i] > 0, T.log2(logsum[i]) + scores_max[i] * scale, neg_inf
+                        )
 
     if kv_splits == 1:
 
@@ -511,7 +529,7 @@ def flashattn_fwd(
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_fwd_combine(
-    batch, heads, seq_q, dim, dtype, block_M, whole_tiles, split_tiles, kv_splits, rows=16
+    batch, heads, seq_q, dim, causal, dtype, block_M, whole_tiles, split_tiles, kv_splits, rows=16
 ):
     """The split tiles' rows (``kv_split_plan``), each merged from its ``kv_splits`` parts.
 
@@ -533,8 +551,7 @@ def flashattn_fwd_combine(
     ):
         with T.Kernel(split_tiles * (block_M // rows), threads=128) as bx:
             j, rb = bx // (block_M // rows), bx % (block_M // rows)  # split tile, rows in it
-            t = whole_tiles + j  # the tile (query block, head, batch), as flashattn_fwd deals
-            m_blk, by, bz = t % num_m_blocks, t // num_m_blocks % heads, t // (num_m_blocks * heads)
+            m_blk, by, bz = tile_of(whole_tiles + j, num_m_blocks, heads, causal)
             row0 = m_blk * block_M + rb * rows
             lse_max = T.alloc_fragment([rows], accum_dtype)
             weights = T.alloc_fragment([rows], accum_dtype)
@@ -545,6 +562,8 @@ def flashattn_fwd_combine(
             for p in T.serial(kv_splits):
                 for i in T.Parallel(rows):
                     lse_max[i] = T.max(lse_max[i], lse_part[j * kv_splits + p, rb * rows + i])
+            for i in T.Parallel(rows):  # a row no part saw: weights 0, out 0, lse +inf
+                lse_max[i] = T.if_then_else(lse_max[i] == -T.infinity(accum_dtype), 0, lse_max[i])
             for p in T.serial(kv_splits):
                 u = j * kv_splits + p
                 for i, d in T.Parallel(rows, dim):
@@ -554,10 +573,16 @@ def flashattn_fwd_combine(
                     weights[i] += T.exp2(lse_part[u, rb * rows + i] - lse_max[i])
             for i, d in T.Parallel(rows, dim):
                 if row0 + i < seq_q:  # rows past Sq are not written
-                    Output[bz, row0 + i, by, d] = T.cast(acc_o[i, d] / weights[i], dtype)
+                    Output[bz, row0 + i, by, d] = T.cast(
+                        T.if_then_else(weights[i] > 0, acc_o[i, d] / weights[i], 0), dtype
+                    )
             for i in T.Parallel(rows):
                 if row0 + i < seq_q:
-                    lse[bz, by, row0 + i] = (lse_max[i] + T.log2(weights[i])) / LOG2E
+                    lse[bz, by, row0 + i] = T.if_then_else(
+                        weights[i] > 0,
+                        (lse_max[i] + T.log2(weights[i])) / LOG2E,
+                        T.infinity(accum_dtype),
+                    )
 
     return flash_fwd_combine
 
@@ -693,7 +718,7 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
             o_part = torch.empty(n_parts, cfg["block_M"], D, dtype=torch.float32, device=q.device)
             lse_part = torch.empty(n_parts, cfg["block_M"], dtype=torch.float32, device=q.device)
             kernel(q, k, v, out, lse, o_part, lse_part)
-            combine = flashattn_fwd_combine(B, H, Sq, D, dtype, cfg["block_M"], *plan)
+            combine = flashattn_fwd_combine(B, H, Sq, D, bool(causal), dtype, cfg["block_M"], *plan)
             combine(o_part, lse_part, out, lse)
     return out, lse
 
