@@ -350,7 +350,7 @@ def flashattn_fwd(
                 v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
                 scores_max_prev, scores_scale, scores_sum, logsum,
             )  # fmt: skip
-        if causal or kv_splits > 1 or split < end:
+        if not isinstance(split, int) or split < end:  # a run-time bound, or blocks left
             for k in T.serial(split if isinstance(split, int) else split[0], end):
                 key_block_step(
                     k, kv_count + k - first, m_blk, True, Q_shared, K_shared, V_shared, k_full,
@@ -541,8 +541,8 @@ def flashattn_fwd_combine(
 
     Part p of a row holds O_p, normalised by its own row sum, and lse_p, the log2 of that sum
     plus its row max (log2 units). With M = max_p lse_p and w_p = 2^(lse_p − M) the row is
-    O = Σ w_p O_p / Σ w_p and lse = (M + log2 Σ w_p) / log2 e. One thread block per ``rows``
-    rows of a split tile.
+    O = Σ w_p O_p / Σ w_p and lse = (M + log2 Σ w_p) / log2 e; a row no part saw (every lse_p
+    −inf) gets O = 0 and lse = +inf. One thread block per ``rows`` rows of a split tile.
     """
     accum_dtype = "float32"
     num_m_blocks = (seq_q + block_M - 1) // block_M
