@@ -5,7 +5,8 @@ attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, bo
 edges, key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused
 kernel) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
 the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
-partial blocks), and the dense forward with its tiles in parts over the keys (ragged keys, and a
+partial blocks), the fast backward with its last wave's walks in parts over the queries
+(non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the keys (ragged keys, and a
 causal grid with fewer tiles than SMs: two parts a tile, merged by the combine kernel) — for
 compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
@@ -13,8 +14,8 @@ compute-sanitizer (not collected by pytest). On an H100, from the repository roo
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py sink   # one family:
-                                                        # mha (MHA and GQA), sink, varlen
-                                                        # or fwd
+                                                        # mha (MHA and GQA), tail, sink,
+                                                        # varlen or fwd
 """
 
 import pathlib
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import load_script  # noqa: E402
 
-FAMILIES = sys.argv[1:] or ["mha", "sink", "varlen", "fwd"]
+FAMILIES = sys.argv[1:] or ["mha", "tail", "sink", "varlen", "fwd"]
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
 for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attention, 4, 1)):
@@ -44,6 +45,18 @@ for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attent
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
         print(f"{name} D{D} Sq{Sq} Sk{Sk}: finite", finite)
+
+# One wave of whole walks, then a last wave in parts on 132 SMs: D64 S2000 H9 (288 walks, the
+# last 24 in two parts), D128 S1500 H12 (144 walks, the last 12 in three parts).
+for D, S, H in ((64, 2000, 9), (128, 1500, 12)) if "tail" in FAMILIES else ():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(1, S, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grads = torch.autograd.grad(mha.attention(q, k, v), (q, k, v), dout)
+    torch.cuda.synchronize()
+    print(f"tail D{D} S{S} H{H}: finite", all(bool(torch.isfinite(t).all()) for t in grads))
 
 sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
 for D in (64, 128) if "sink" in FAMILIES else ():

@@ -35,6 +35,7 @@ KERNEL_ROLES = {
     "flash_bwd_varlen",
     "flash_bwd_post",
     "flash_bwd_post_kv",
+    "flash_bwd_post_tail",
     "flash_fwd_combine",
     "flash_bwd_sinks",
     "gemm",

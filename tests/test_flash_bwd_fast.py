@@ -764,7 +764,46 @@ def _gpu_cases():
             (2, 1000, 1000, 4, D, False, f16, 10),
         ]
     cases.append((1, 500, 17, 4, 64, True, bf16, 1))  # the same at D = 64 (128 queries a step)
+    # The last wave's walks in parts (tail_split_plan): 160 thread blocks, 28 of them in 4 parts
+    # each; ragged keys and queries; large logits.
+    cases += [
+        (1, 4096, 4096, 5, 128, False, bf16, 1),
+        (1, 4000, 4000, 5, 64, False, f16, 1),
+        (1, 4090, 4096, 5, 128, False, f16, 10),
+    ]
     return cases
+
+
+def test_tail_split_plan():
+    """Which walks of the plain grid go in parts: only those of a last wave that leaves SMs
+    idle, after at least one whole wave, in parts of at least 8 query blocks."""
+    plan = load_script(FAST).tail_split_plan
+    assert plan(4096, 132, 64) == (4092, 4, 8)  # B4 H32 S4096 D128: 64 query blocks a walk
+    assert plan(4096, 132, 256) == (4092, 4, 32)
+    assert plan(4096, 132, 512) == (4092, 4, 33)  # no more parts than the SMs take
+    assert plan(160, 132, 64) == (132, 28, 4)
+    assert plan(1056, 132, 64) == (1056, 0, 1)  # whole waves only
+    assert plan(100, 132, 64) == (100, 0, 1)  # one partial wave: the walks run as they are
+    assert plan(4096, 132, 15) == (4096, 0, 1)  # parts would be shorter than 8 blocks
+    assert plan(4096, 132, 64, allowed=False) == (4096, 0, 1)
+
+
+def test_tail_split_builds_clean():
+    """The plain grid with its last wave in parts: one code path (shared memory once), no
+    spills, the parts' float32 dK/dV written; the sum kernel builds."""
+    import harness
+
+    mod = load_script(FAST)
+    cfg = mod.default_config(128)
+    tail = (132, *mod.tail_split_plan(4096, 132, 64))
+    kernels = mod.backward_kernels(4096, 4096, 128, False, 128**-0.5, "float16", cfg, tail=tail)
+    fn, args, kw = kernels["flash_bwd"]
+    assert kw["tail_splits"] == 8
+    kernel = harness.compile_for(fn, "sm_90a", 4, 32, *args, **kw)
+    assert_clean_build(kernel)
+    assert "dK_part" in kernel.get_kernel_source()
+    fn, args, kw = kernels["flash_bwd_post_tail"]
+    harness.compile_for(fn, "sm_90a", 4, 32, *args, **kw)
 
 
 def _case_id(case):

@@ -336,6 +336,8 @@ GPU_CASES = [
     (1, 8, 2, 255, 17, 64, 64, True, torch.bfloat16, 1),
     (2, 8, 1, 777, 1000, 64, 64, False, torch.float16, 1),
     (1, 16, 2, 17, 300, 64, 64, True, torch.bfloat16, 10),
+    # the group kernel's last wave in parts: 160 thread blocks, 28 in 4 parts (tail_split_plan)
+    (1, 20, 5, 4096, 4096, 128, 128, False, torch.bfloat16, 1),
 ]
 
 

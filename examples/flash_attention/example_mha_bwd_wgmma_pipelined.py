@@ -654,6 +654,8 @@ def flash_bwd(
     with_dq=True,
     ctas_per_sm=1,
     interleave=1,
+    tail_splits=1,
+    num_sms=132,
 ):
     """One thread block per (block_M keys, kv head, batch); the schedule of the module docstring.
 
@@ -722,6 +724,12 @@ def flash_bwd(
     blocks after the other's. The GPU starts thread blocks in the order of their index; where
     key block 0 walks longest (causal), the last row's longest walks would otherwise start in
     the grid's last wave and run on alone.
+
+    ``tail_splits`` (the plain dense launch without causal or window, ``tail_split_plan``): the
+    thread blocks of a last wave that would leave SMs idle (``num_sms``) walk their query blocks
+    in that many parts, one thread block a part, each leaving its dK and dV in float32 to the two
+    more arguments ``dK_part``, ``dV_part`` (``[parts, block_M, dim]``), which
+    ``flash_bwd_post_tail`` sums; dQ adds up as in any step.
     """
     accum_dtype = "float32"
     scale = softmax_scale * LOG2E  # scores to log2 units, as lse2
@@ -1076,7 +1084,7 @@ def flash_bwd(
                 dK[at] = K_shared[r0 + r, c]
 
     @T.macro
-    def consumer_warpgroup(wg, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV):
+    def consumer_warpgroup(wg, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, part=None):
         # Consumer warpgroup wg: keys wg·64 … wg·64+63 of the block. Each warpgroup is its own
         # code path, so every shared-memory offset in its WGMMA descriptors is a constant.
         # ``shared`` and ``barriers``: thread_block's buffers and mbarriers, in its order.
@@ -1110,7 +1118,17 @@ def flash_bwd(
         for r, c in T.Parallel(wg_keys, dim):
             dk[r, c] = dk[r, c] * softmax_scale
         first_key = bx * block_M + wg * wg_keys
-        if head_splits > 1:
+        if part is not None:
+            u, is_part, dK_part, dV_part = part
+            if is_part:
+                # A part of a walk split across thread blocks (``tail_splits``): its share of
+                # dK and dV in float32, every row of the key block, for flash_bwd_post_tail.
+                for r, c in T.Parallel(wg_keys, dim):
+                    dV_part[u, wg * wg_keys + r, c] = dv[r, c]
+                    dK_part[u, wg * wg_keys + r, c] = dk[r, c]
+            else:
+                epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV)
+        elif head_splits > 1:
             # This part of the group's dK and dV, in float32 (summed over the parts after the
             # kernel), straight from registers: a small grid's epilogue is short.
             part, kv = by % head_splits, by // head_splits
@@ -1123,8 +1141,13 @@ def flash_bwd(
             epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV)
 
     @T.macro
-    def thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None):
+    def thread_block(
+        bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None, part=None
+    ):  # fmt: skip
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
+        # ``part`` (``tail_splits``): (part index, first query block, query blocks, whether this
+        # thread block walks a part, the parts' dK, dV); the index and buffers are used only by
+        # thread blocks that do, the others walk whole.
         if ctas_per_sm > 1:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
         # Programmatic dependent launch: this grid may be launched before the one ahead of it
@@ -1155,7 +1178,10 @@ def flash_bwd(
         dq_empty = T.alloc_barrier([32] * dq_stages)
 
         edges = (left, right, seq.hi, seq.lo)
-        q_start, n_blocks = query_block_range(bx, block_M, block_N, seq.q_pad, edges)
+        if part is None:
+            q_start, n_blocks = query_block_range(bx, block_M, block_N, seq.q_pad, edges)
+        else:
+            q_start, n_blocks = part[1], part[2]
         tx = T.get_thread_binding()
 
         if tx >= consumers:
@@ -1235,10 +1261,11 @@ def flash_bwd(
                 dq_shared,
             )
             barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
+            out = None if part is None else (part[0], *part[3:])
             if consumers == 128 or tx < 128:
-                consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
+                consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, out)
             else:
-                consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV)
+                consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, out)
 
     if packed:
         total_q, total_k, batch, n_tiles = T.dynamic("total_q, total_k, batch, n_tiles")
@@ -1385,6 +1412,58 @@ def flash_bwd(
     n_rows = grid_rows * batch
     if n_rows % interleave:
         raise ValueError(f"interleave ({interleave}) must divide the {n_rows} grid rows")
+    n_q_blocks = seq_q_pad // block_N
+    whole, split_items, splits = tail_split_plan(
+        grid_x * n_rows, num_sms, n_q_blocks, tail_splits > 1
+    )
+    if tail_splits > 1 and (
+        splits != tail_splits or causal or left >= 0 or right >= 0 or key_stride != 1
+        or first_store or interleave != 1 or head_splits != 1
+    ):  # fmt: skip
+        raise ValueError(f"tail_splits ({tail_splits}) is not this grid's (tail_split_plan)")
+
+    if tail_splits > 1:  # the last wave's walks in parts; two more arguments
+
+        @T.prim_func
+        def flash_bwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            dO: T.Tensor(q_shape, dtype),
+            lse2: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+            Delta: T.Tensor([batch, heads, seq_q_pad], accum_dtype),
+            dQ_accum: T.Tensor([batch, heads, seq_q_pad // block_N, dq_tile], accum_dtype),
+            dK: T.Tensor(dkv_shape, dkv_dtype),
+            dV: T.Tensor(dkv_shape, dkv_dtype),
+            dK_part: T.Tensor([split_items * splits, block_M, dim], accum_dtype),
+            dV_part: T.Tensor([split_items * splits, block_M, dim], accum_dtype),
+        ):
+            # One dimension, in the plain grid's order (key block fastest, then kv head, then
+            # batch entry): the whole walks, then the parts of the last ones. One code path for
+            # both (two would each allocate the thread block's shared memory).
+            with T.Kernel(whole + split_items * splits, threads=threads) as i:
+                is_part = i >= whole
+                u = T.max(i - whole, 0)  # the part (thread blocks that walk one)
+                item = T.if_then_else(is_part, whole + u // splits, i)
+                p = u % splits
+                first_q_block = p * n_q_blocks // splits
+                n_q = T.if_then_else(
+                    is_part, (p + 1) * n_q_blocks // splits - first_q_block, n_q_blocks
+                )
+                part = (
+                    u,
+                    T.if_then_else(is_part, first_q_block, 0),
+                    n_q,
+                    is_part,
+                    dK_part,
+                    dV_part,
+                )
+                thread_block(
+                    item % grid_x, item // grid_x % grid_rows, rows(item // (grid_x * grid_rows)),
+                    Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, part=part,
+                )  # fmt: skip
+
+        return flash_bwd
 
     @T.prim_func
     def flash_bwd(
@@ -1497,6 +1576,81 @@ def flash_bwd_post(
             T.copy(dq_out, seq_rows(dQ, layout, bz, by, bx * block, block))
 
     return flash_bwd_post
+
+
+MIN_PART_BLOCKS = 8  # query blocks a part of a split walk takes at least
+
+
+def tail_split_plan(n_blocks, num_sms, n_q_blocks, allowed=True):
+    """How a grid of ``n_blocks`` equal walks over ``n_q_blocks`` query blocks fills ``num_sms``
+    SMs, one thread block an SM: ``(whole, split_items, splits)``. The walks of a last wave that
+    would leave SMs idle (``n_blocks % num_sms`` of them) are split into ``splits`` parts of at
+    least MIN_PART_BLOCKS query blocks, as many as the SMs take; the first ``whole`` run whole.
+    ``splits`` 1: no split (or not ``allowed``)."""
+    waves, tail = divmod(n_blocks, num_sms)
+    splits = 1
+    if allowed and waves and tail:
+        splits = max(1, min(num_sms // tail, n_q_blocks // MIN_PART_BLOCKS))
+    if splits == 1:
+        return n_blocks, 0, 1
+    return waves * num_sms, tail, splits
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flash_bwd_post_tail(
+    batch,
+    heads,
+    seq_kv,
+    dim,
+    groups,
+    whole,
+    split_items,
+    splits,
+    dtype="float16",
+    block_M=128,
+    layout="bshd",
+):
+    """dK and dV of the split walks (``tail_split_plan``): each key block's ``splits`` float32
+    parts summed and cast. The grid's thread blocks in the plain order (key block fastest, then
+    kv head, then batch entry), so item ``whole + j`` is key block ``(whole + j) % n_key_blocks``.
+    One thread block per 16 keys of a split item; launched behind the postprocess, whose end
+    implies the backward kernel's."""
+    accum_dtype = "float32"
+    heads_kv = heads // groups
+    kv_shape = layout_shape(layout, batch, seq_kv, heads_kv, dim)
+    n_key_blocks = (seq_kv + block_M - 1) // block_M
+    rows = 16
+
+    @T.prim_func
+    def flash_bwd_post_tail(
+        dK_part: T.Tensor([split_items * splits, block_M, dim], accum_dtype),
+        dV_part: T.Tensor([split_items * splits, block_M, dim], accum_dtype),
+        dK: T.Tensor(kv_shape, dtype),
+        dV: T.Tensor(kv_shape, dtype),
+    ):
+        with T.Kernel(split_items * (block_M // rows), threads=128) as bx:
+            T.pdl_sync()
+            j, r0 = bx // (block_M // rows), bx % (block_M // rows) * rows
+            item = whole + j
+            key_blk = item % n_key_blocks
+            by = item // n_key_blocks % heads_kv
+            bz = item // (n_key_blocks * heads_kv)
+            dk = T.alloc_fragment([rows, dim], accum_dtype)
+            dv = T.alloc_fragment([rows, dim], accum_dtype)
+            T.clear(dk)
+            T.clear(dv)
+            for p in T.serial(splits):
+                for r, c in T.Parallel(rows, dim):
+                    dk[r, c] += dK_part[j * splits + p, r0 + r, c]
+                    dv[r, c] += dV_part[j * splits + p, r0 + r, c]
+            for r, c in T.Parallel(rows, dim):
+                key = key_blk * block_M + r0 + r
+                if key < seq_kv:  # keys past Sk are not written
+                    at = seq_index(layout, bz, by, key, c)
+                    dK[at] = T.cast(dk[r, c], dtype)
+                    dV[at] = T.cast(dv[r, c], dtype)
+
+    return flash_bwd_post_tail
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -1841,9 +1995,23 @@ def run_backward(
         dk_parts = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
         dv_parts = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
     dk_out, dv_out = (dk, dv) if splits == 1 else (dk_parts, dv_parts)  # the kernel's
+    tail = None
+    plain = not causal and tuple(window) == (-1, -1)
+    if plain and cfg.get("head_splits", 1) == 1 and cfg.get("interleave", 1) == 1:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        n_thread_blocks = -(-Sk // cfg["block_M"]) * Hkv * B
+        plan = tail_split_plan(n_thread_blocks, num_sms, n_blocks)
+        tail = (num_sms, *plan) if plan[2] > 1 else None
     kernels = backward_kernels(
-        Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout
+        Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout, tail
     )
+    dk_part = dv_part = None
+    flash_bwd_tensors = (q, k, v, dout, lse2, delta, dq_accum, dk_out, dv_out)
+    if "flash_bwd_post_tail" in kernels:  # the split walks' float32 dK, dV parts
+        n_parts = tail[2] * tail[3]
+        dk_part = torch.empty(n_parts, cfg["block_M"], D, dtype=torch.float32, device=q.device)
+        dv_part = torch.empty_like(dk_part)
+        flash_bwd_tensors += (dk_part, dv_part)
     ready = None
     if "flash_bwd_ordered" in kernels:  # ordered_store's flags, one per dQ tile
         ready = torch.zeros(B, H, n_blocks, dtype=torch.int32, device=q.device)
@@ -1851,9 +2019,10 @@ def run_backward(
         "flash_bwd_prep": (out, dout, lse, delta, lse2, dq_accum.view(B, H, -1)),
         "flash_bwd_ordered": (q, k, v, dout, lse2, delta, dq_accum, ready, dk_out, dv_out),
         "flash_bwd_store": (q, k, v, dout, lse2, delta, dq_accum, dk_out, dv_out),
-        "flash_bwd": (q, k, v, dout, lse2, delta, dq_accum, dk_out, dv_out),
+        "flash_bwd": flash_bwd_tensors,
         "flash_bwd_post": (dq_accum, dq),
         "flash_bwd_post_kv": (dk_parts, dv_parts, dk, dv),
+        "flash_bwd_post_tail": (dk_part, dv_part, dk, dv),
     }
     for name, tensors in launches.items():  # in this order; flash_bwd_store only if chosen
         if name in kernels:
@@ -2139,13 +2308,15 @@ def benchmark(batch, heads, seq_q, seq_k, dim, causal, dtype, configs=None):
 
 def backward_kernels(
     seq_q, seq_k, dim, causal, softmax_scale, dtype, config, groups=1, window=(-1, -1),
-    layout="bshd",
+    layout="bshd", tail=None,
 ):  # fmt: skip
     """The backward's three kernel factories and their arguments after ``(batch, heads)``:
     name → (factory, args, kwargs). ``compile_all`` builds them, here, in example_gqa_bwd.py
     (``groups`` query heads a kv head), in example_gqa_sink_bwd_bhsd.py (a window, BHSD) and
     in example_gqa_bwd_tma_reduce_varlen.py (``layout="thd"``: packed sequences, the lengths
-    and the batch None, as they are dynamic)."""
+    and the batch None, as they are dynamic). ``tail``: ``(num_sms, whole, split_items,
+    splits)`` from ``tail_split_plan`` for the caller's batch and heads, used by the single
+    plain launch (its last wave's walks in parts, summed by ``flash_bwd_post_tail``)."""
     packed = layout == "thd"
     seq_q_pad = None if packed else padded_len(seq_q, config["block_N"])
     bwd_args = (seq_q, seq_k, dim, causal, softmax_scale, dtype)
@@ -2169,6 +2340,14 @@ def backward_kernels(
         kernels["flash_bwd_varlen"] = (flash_bwd, bwd_args, bwd_kw)
     elif stride is None:
         kernels["flash_bwd"] = (flash_bwd, bwd_args, {**bwd_kw, "interleave": interleave})
+        if tail is not None:  # the last wave's walks in parts
+            num_sms, whole, split_items, splits = tail
+            kernels["flash_bwd"][2].update(tail_splits=splits, num_sms=num_sms)
+            kernels["flash_bwd_post_tail"] = (
+                flash_bwd_post_tail,
+                (seq_k, dim, groups, whole, split_items, splits, dtype),
+                {"block_M": config["block_M"], "layout": layout},
+            )
     else:  # two launches (flash_bwd's key_stride): no zeroing in the prep
         prep_kw.update(zero_dq=False)
         bwd_kw.update(key_stride=stride)
