@@ -6,9 +6,10 @@ edges, key blocks no query reaches: narrow windows take its dQ pass, a wider one
 kernel) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
 the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
 partial blocks), the fast backward with its last wave's walks in parts over the queries
-(non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the keys (ragged keys, and a
-causal grid with fewer tiles than SMs: two parts a tile, merged by the combine kernel) — for
-compute-sanitizer (not collected by pytest). On an H100, from the repository root:
+(non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the
+keys (ragged keys, and a causal grid with fewer tiles than SMs: two parts a tile, merged by the
+combine kernel) — for compute-sanitizer (not collected by pytest). On an H100, from the
+repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
