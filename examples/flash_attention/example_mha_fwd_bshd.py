@@ -614,7 +614,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     it), with or without two P register sets or ping-pong, measured 0.91-1.04x this kernel
     (2026-11-24), no row moving further than two runs of one variant differed: not kept. With
     the exponentials pinned ahead, the wider tiles lost again (2026-11-24): 128x160 0.93-0.99x,
-    128x176 0.92-0.96x, 128x192 0.81-0.94x this kernel on five D=128 rows.
+    128x176 0.92-0.96x, 128x192 0.81-0.94x this kernel on five D=128 rows. Three consumer
+    warpgroups on 192x64 D=128 tiles (no spills at 160 registers) lost as well (2026-11-27, bf16):
+    0.94-0.96x without causal at S=4096-16384, 0.90-0.91x causal, 0.84x at S=1024; three K/V
+    stages the same.
     Skipping the O rescale in a warp none of whose rows changed its max (a warp vote; results
     bit-identical) measured 0.955-1.007x on eight rows (2026-11-24): not kept. Counted in SM
     cycles under Nsight Compute (a launch repeats to 0.3%, a rebuild moves them up to 1%;
@@ -641,7 +644,8 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
 def tune_configs(dim):
     """The small space ``--tune`` compares (64 query rows per consumer warpgroup). D=256 keeps
     to two consumer warpgroups and 64 or 80 keys (shared memory); D=128 to two warpgroups (with
-    a third, 512 threads, ptxas gets 128 registers a thread and spills 324 bytes)."""
+    a third, 512 threads, 192x128 tiles spill 324 bytes; 192x64 builds and measured slower,
+    ``default_config``)."""
     if dim > 128:
         return [
             dict(block_M=128, block_N=bn, num_stages=st) for bn, st in ((64, 1), (64, 2), (80, 2))
