@@ -100,6 +100,13 @@ a set, key blocks, sets): key block 0 of a few heads, then key block 1 of each, 
 one wave of thread blocks a set (``interleave``, ``grid_interleave``). A set is kept small so
 that the heads it walks at once still share their Q, dO and dQ tiles in L2.
 
+Without a mask every walk is as long as any other, and a grid whose walks do not fill its last
+wave leaves SMs idle for a whole walk (16k tokens at D = 128 make 4096 walks: 31 waves of 132
+SMs, then 4). Those last walks go in parts over their query blocks instead
+(``tail_split_plan``): each part is one more thread block, walking at least eight query blocks;
+its dQ adds up like any step's, and its dK and dV go out in float32 for
+``flash_bwd_post_tail``, which sums a key block's parts after the postprocess.
+
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
 heads in turn (the producer loads that head's Q and dO, the reduce-add goes to that head's dQ),
