@@ -764,8 +764,9 @@ def _gpu_cases():
             (2, 1000, 1000, 4, D, False, f16, 10),
         ]
     cases.append((1, 500, 17, 4, 64, True, bf16, 1))  # the same at D = 64 (128 queries a step)
-    # The last wave's walks in parts (tail_split_plan): 160 thread blocks, 28 of them in 4 parts
-    # each; ragged keys and queries; large logits.
+    # The last wave's walks in parts (tail_split_plan): at D = 128, 160 thread blocks, the last
+    # 28 in 4 parts each; at D = 64 (64 keys a thread block), 315, the last 51 in 2; ragged keys
+    # and queries; large logits.
     cases += [
         (1, 4096, 4096, 5, 128, False, bf16, 1),
         (1, 4000, 4000, 5, 64, False, f16, 1),
