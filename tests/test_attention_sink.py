@@ -1199,6 +1199,9 @@ def test_backward_command_line_and_bad_input(capsys):
         (2, 128, 2048, 8, 1, 64, (64, 0), False, True, torch.bfloat16),  # keys no query sees
         (2, 4096, 4096, 16, 2, 128, (1024, 0), True, True, torch.bfloat16),
         (1, 777, 1000, 8, 8, 64, (-1, 100), False, True, torch.float16),
+        # No window, no mask: the fast backward's last wave in parts (160 thread blocks, the
+        # last 28 in 4 parts each; tail_split_plan) on the BHSD layout.
+        (1, 4096, 4096, 20, 5, 128, (-1, -1), False, True, torch.bfloat16),
         # The dQ pass (dq_pass_pays): one row, Sq != Sk both ways, a diagonal-only window,
         # few queries against many keys, a long sequence with groups of 8.
         (1, 1, 1, 8, 1, 64, (128, 0), True, True, torch.float16),
