@@ -1149,12 +1149,13 @@ def flash_bwd(
 
     @T.macro
     def thread_block(
-        bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None, part=None
+        bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None, part=None,
+        q_range=None,
     ):  # fmt: skip
         # One thread block: key block bx of kv head by, in the sequence ``seq`` (a ``Rows``).
-        # ``part`` (``tail_splits``): (part index, first query block, query blocks, whether this
-        # thread block walks a part, the parts' dK, dV); the index and buffers are used only by
-        # thread blocks that do, the others walk whole.
+        # ``part`` and ``q_range`` (``tail_splits``): (part index, whether this thread block
+        # walks a part, the parts' dK, dV) and (first query block, query blocks) of its walk;
+        # the index and buffers are used only by thread blocks that walk a part.
         if ctas_per_sm > 1:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
         # Programmatic dependent launch: this grid may be launched before the one ahead of it
@@ -1185,10 +1186,10 @@ def flash_bwd(
         dq_empty = T.alloc_barrier([32] * dq_stages)
 
         edges = (left, right, seq.hi, seq.lo)
-        if part is None:
+        if q_range is None:
             q_start, n_blocks = query_block_range(bx, block_M, block_N, seq.q_pad, edges)
         else:
-            q_start, n_blocks = part[1], part[2]
+            q_start, n_blocks = q_range
         tx = T.get_thread_binding()
 
         if tx >= consumers:
@@ -1268,11 +1269,14 @@ def flash_bwd(
                 dq_shared,
             )
             barriers = (kv_full, q_full, do_full, q_empty, do_empty, dq_full, dq_empty)
-            out = None if part is None else (part[0], *part[3:])
             if consumers == 128 or tx < 128:
-                consumer_warpgroup(0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, out)
+                consumer_warpgroup(
+                    0, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, part
+                )
             else:
-                consumer_warpgroup(1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, out)
+                consumer_warpgroup(
+                    1, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, part
+                )
 
     if packed:
         total_q, total_k, batch, n_tiles = T.dynamic("total_q, total_k, batch, n_tiles")
@@ -1457,17 +1461,10 @@ def flash_bwd(
                 n_q = T.if_then_else(
                     is_part, (p + 1) * n_q_blocks // splits - first_q_block, n_q_blocks
                 )
-                part = (
-                    u,
-                    T.if_then_else(is_part, first_q_block, 0),
-                    n_q,
-                    is_part,
-                    dK_part,
-                    dV_part,
-                )
                 thread_block(
                     item % grid_x, item // grid_x % grid_rows, rows(item // (grid_x * grid_rows)),
-                    Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, part=part,
+                    Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, part=(u, is_part, dK_part, dV_part),
+                    q_range=(T.if_then_else(is_part, first_q_block, 0), n_q),
                 )  # fmt: skip
 
         return flash_bwd
