@@ -8,8 +8,8 @@ the persistent varlen forward and the packed backward, with a zero-length sequen
 partial blocks), the fast backward with its last wave's walks in parts over the queries
 (non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the
 keys (ragged keys, and a causal grid with fewer tiles than SMs: two parts a tile, merged by the
-combine kernel) — for compute-sanitizer (not collected by pytest). On an H100, from the
-repository root:
+combine kernel) or in causal pairs of an odd block count — for compute-sanitizer (not collected
+by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
@@ -109,6 +109,10 @@ for D in (64, 128) if "fwd" in FAMILIES else ():
     # have none)
     q2, k2, v2 = (torch.randn(1, 1100, 2, D, generator=g, device="cuda") for _ in range(3))
     out2 = dense.attention(*(t.to(torch.bfloat16) for t in (q2, k2, v2)), causal=True)
+    # causal pairs with 5 query blocks a head (640 rows): two heads' middle blocks pair up, and
+    # with 33 heads a last head is left alone (tile_of); 165 tiles, more than the SMs
+    q3, k3, v3 = (torch.randn(1, 640, 33, D, generator=g, device="cuda") for _ in range(3))
+    out3 = dense.attention(*(t.to(torch.bfloat16) for t in (q3, k3, v3)), causal=True)
     torch.cuda.synchronize()
-    finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(out2).all())
-    print(f"forward in parts D{D}: finite", finite)
+    finite = all(bool(torch.isfinite(t).all()) for t in (out, out2, out3))
+    print(f"forward in parts, and causal pairs of an odd block count, D{D}: finite", finite)

@@ -281,6 +281,28 @@ def test_kernel_tile_loop_matches_reference(Sq, Sk, window, causal, tile):
 
 
 # ----------------------------------------------------------------------------- script (CPU)
+def test_tile_order_is_the_dense_forwards():
+    """The sink forward deals its tiles in the dense forward's order: plain, or paired
+    heaviest with lightest (a window bounded on one side), odd counts' middle blocks together
+    where the same model of the deal says so."""
+    sink_order = load_script(FWD).tile_of
+    dense_order = load_script("flash_attention/example_mha_fwd_bshd.py").tile_of
+    cases = itertools.product((1, 4, 5, 11), (1, 3, 4), (1, 3), (0, 1), (0, 1))
+    for nm, heads, batch, paired, two_heads in cases:
+        two_heads = two_heads and nm % 2 == 1 and nm > 1 and heads * batch > 1
+        tiles = range(nm * heads * batch)
+        assert [sink_order(t, nm, heads, batch, paired, two_heads) for t in tiles] == [
+            dense_order(t, nm, heads, batch, paired, two_heads) for t in tiles
+        ]
+    sink, dense = load_script(FWD), load_script("flash_attention/example_mha_fwd_bshd.py")
+    assert sink.PAIR_GAIN == dense.PAIR_GAIN
+    for nm, flat, grid in ((11, 384, 132), (63, 32, 132), (5, 99, 132), (9, 27, 100)):
+        costs = [m + 2 for m in range(nm)]
+        assert sink.heads_together(nm, flat, grid, costs) == dense.heads_together(
+            nm, flat, grid, costs
+        )
+
+
 def test_script_contract():
     """The API of docs/CONVENTIONS.md ("Script contract") with this family's two arguments."""
     import ast
@@ -736,6 +758,7 @@ def test_forward_matches_reference(case, poisoned_empty):
         (2, 300, 300, 16, 1, 64, (0, 0), False, torch.bfloat16, 1),  # one key a row
         (3, 1000, 1000, 32, 4, 128, (128, 0), True, torch.bfloat16, 1),  # many tiles per SM
         (3, 1000, 1000, 32, 4, 64, (-1, -1), True, torch.float16, 1),  # causal pairs
+        (3, 1400, 1400, 9, 3, 128, (-1, -1), True, torch.bfloat16, 1),  # 11 blocks, 27 heads
         (2, 1000, 1000, 40, 40, 128, (-1, 200), False, torch.float16, 1),  # left unbounded
         (2, 1000, 1000, 40, 5, 64, (200, -1), False, torch.bfloat16, 1),  # right unbounded
         (1, 4096, 4096, 16, 16, 128, (4095, 0), False, torch.float16, 1),  # = causal

@@ -1,6 +1,7 @@
 """Dense forward scripts: references, command lines, sm_90a builds, bad input (CPU) and the
 correctness matrix of docs/CONVENTIONS.md ("Correctness") on a GPU (marker ``gpu``)."""
 
+import itertools
 import math
 import re
 
@@ -193,6 +194,61 @@ def test_persistent_grid(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_tile_order(script):
+    """tile_of lists every (query block, head, batch) once, a head's blocks together (two
+    heads' with two_heads, the count odd and causal); causal, every two consecutive tiles cost
+    the same with two_heads: their query blocks add up to num_m_blocks - 1 (heaviest with
+    lightest, middle with middle), but for a last head left alone. Without it a head's middle
+    block pairs with the next head's first."""
+    tile_of = load_script(script).tile_of
+    for nm, heads, batch in itertools.product((1, 2, 3, 8, 11, 17), (1, 3, 4), (1, 2, 3)):
+        flat = heads * batch
+        for causal, two_heads in ((False, False), (True, False), (True, True)):
+            two_heads = two_heads and nm % 2 == 1 and nm > 1 and flat > 1
+            tiles = [tile_of(t, nm, heads, batch, causal, two_heads) for t in range(nm * flat)]
+            assert sorted(tiles) == sorted(itertools.product(range(nm), range(heads), range(batch)))
+            for t, (_, h, b) in enumerate(tiles):
+                if two_heads and t < flat // 2 * 2 * nm:
+                    assert (b * heads + h) // 2 == t // (2 * nm)
+                else:
+                    assert b * heads + h == t // nm
+            if not causal or nm == 1:
+                continue
+            # tiles before a lone head (two_heads) or every head's own (plain, even count)
+            alone = nm * flat - (nm if flat % 2 else 0) if two_heads else nm * flat
+            if two_heads or nm % 2 == 0:
+                for t in range(0, alone - 1, 2):
+                    assert tiles[t][0] + tiles[t + 1][0] == nm - 1, (nm, heads, batch, t)
+    # 11 query blocks: head 0's 10 paired blocks, head 1's, then both middle blocks (5);
+    # without two_heads, head 0's middle block pairs with head 1's heaviest
+    order = [tile_of(t, 11, 2, 1, True, True)[:2] for t in range(22)]
+    assert order[:2] == [(10, 0), (0, 0)] and order[10:12] == [(10, 1), (0, 1)]
+    assert order[20:] == [(5, 0), (5, 1)]
+    plain = [tile_of(t, 11, 2, 1, True, False)[:2] for t in range(22)]
+    assert plain[10:12] == [(5, 0), (10, 1)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_heads_together(script):
+    """Two heads go together where the model of the deal gains PAIR_GAIN or more on the busiest
+    thread block: 11 and 33 query blocks a head on 132 SMs (the middle pairs land on the same
+    thread blocks every round), 9 blocks at B16 H32; not 63 blocks at B1 H32 (1.055 by the
+    model), nor even counts, one block or one head."""
+    module = load_script(script)
+
+    def together(batch, heads, seq, block_M=128, sms=132):
+        nm = -(-seq // block_M)
+        costs = [min(-(-seq // 128), -(-(m + 1) * block_M // 128)) + 1 for m in range(nm)]
+        grid = min(sms, -(-nm * batch * heads // 2))
+        return module.heads_together(nm, batch * heads, grid, costs)
+
+    assert together(12, 32, 1408) and together(4, 32, 4224) and together(16, 32, 1100)
+    assert together(8, 64, 2048, block_M=192)
+    assert not together(1, 32, 8000) and not together(2, 32, 3968)
+    assert not together(4, 32, 4096) and not together(64, 1, 128) and not together(1, 1, 1408)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_kv_split_plan(script):
     """Which tiles go whole and which in parts over their keys (kv_split_plan): only without
     causal, only tiles of a last round that leaves SMs idle, parts of at least MIN_PART_BLOCKS
@@ -233,6 +289,27 @@ def test_split_tiles_build(script):
     combine = (1, 4, 17, 128, False, "bfloat16", cfg["block_M"], 0, 4, 8)
     src = harness.compile_for(mod.flashattn_fwd_combine, "sm_90a", *combine).get_kernel_source()
     assert "exp2" in src and "lse_part" in src
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_odd_count_builds(script):
+    """Causal grids of an odd block count build for sm_90a without spills: in pairs of two heads
+    (B1 H33 S640: 5 blocks a head, a last head alone) and, with fewer tiles than SMs, in parts
+    with the plain order (B1 H2 S1100: 9 blocks a head; two heads together there failed to
+    build in TileLang 0.1.15)."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(script)
+    for heads, seq in ((33, 640), (2, 1100)):
+        heads = (heads, 1 if heads % 2 else heads // 2) if script == GQA else (heads,)
+        cfg = mod.default_config(128, True, "sm_90a", seq)
+        args = (1, *heads, seq, seq, 128, True, 128**-0.5, "bfloat16")
+        src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+        report = ptxas_report(src)
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        assert ("float* __restrict__ O_part" in src) == (seq == 1100)
 
 
 def test_hopper_only():
@@ -367,10 +444,14 @@ def _gpu_cases():
         (BHSD, 1, 200, 3000, 4, 4, 128, False, bf16, 1),
         (GQA, 1, 100, 3000, 8, 2, 128, False, f16, 1),
     ]
-    # Persistent schedule: many tiles per thread block; causal pairs that straddle heads (an odd
-    # number of query blocks a head); Sq < Sk; each head dim.
+    # Persistent schedule: many tiles per thread block; an odd number of query blocks a head,
+    # causal (two heads' middle blocks pair up; an odd head count leaves a last head alone),
+    # at 128 and 192 query rows a tile; Sq < Sk; each head dim.
     cases += [
         (BSHD, 3, 640, 640, 33, 33, 128, True, bf16, 1),
+        (BSHD, 1, 2100, 2100, 16, 16, 64, True, f16, 1),
+        (BHSD, 2, 1400, 1400, 24, 24, 128, True, bf16, 1),
+        (GQA, 3, 1400, 1400, 9, 3, 128, True, f16, 1),
         (BSHD, 2, 1000, 1000, 40, 40, 64, False, f16, 1),
         (BSHD, 2, 1000, 1000, 40, 40, 256, True, f16, 1),
         (BHSD, 2, 700, 1000, 24, 24, 128, True, f16, 1),

@@ -106,6 +106,7 @@ PASS_CONFIGS = {
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
+PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
 
 
 # ----------------------------------------------------------------------------- window blocks
@@ -162,6 +163,62 @@ def window_mask_runs(m_blk, n_start, n_blocks, block_M, block_N, seq_q, seq_kv, 
 
 
 # ----------------------------------------------------------------------------- kernel
+def tile_of(t, num_m_blocks, heads, batch, paired, two_heads):
+    """(query block, head, batch) of tile t, in flashattn_fwd's order. Tiles of one head are
+    consecutive, so thread blocks running side by side share K/V in L2; ``paired`` (a window
+    bounded on one side), a head's query blocks alternate heaviest and lightest (7, 0, 6, 1,
+    ... of 8), so that consecutive tiles pair up into equal costs. An odd count leaves each
+    head's middle block unpaired (5 of 11); with ``two_heads`` (``heads_together``) two heads
+    go together, the first's paired blocks, the second's, and the two middle blocks last, a
+    pair of the same cost. (Without it the middle block pairs with the next head's first.)"""
+    nm, flat = num_m_blocks, batch * heads
+
+    def alternate(r):
+        # r even: nm - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
+        # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
+        return r // 2 + (1 - r % 2) * (nm - 1 - r // 2 * 2)
+
+    if not paired:
+        m_blk, f = t % nm, t // nm
+    elif not two_heads:
+        m_blk, f = alternate(t % nm), t // nm
+    else:
+        pair, s = t // (2 * nm), t % (2 * nm)
+        middle = s // (2 * nm - 2)  # 1 for the two middle blocks
+        s_paired = s % (2 * nm - 2)
+        second = (1 - middle) * (s_paired // (nm - 1)) + middle * s_paired
+        m_pair = (1 - middle) * alternate(s_paired % (nm - 1)) + middle * (nm // 2)
+        # An odd number of heads leaves the last one alone, in the plain order (its middle
+        # block comes last there too).
+        alone = t // ((flat - 1) * nm) if flat % 2 else 0
+        m_blk = alone * alternate(t % nm) + (1 - alone) * m_pair
+        f = alone * (t // nm) + (1 - alone) * (2 * pair + second)
+    return m_blk, f % heads, f // heads
+
+
+def heads_together(num_m_blocks, flat, grid, costs):
+    """Whether the pairs of an odd block count go two heads at a time (``tile_of``), for
+    ``flat`` heads (batch × heads) dealt a pair at a time round-robin over ``grid`` thread
+    blocks; ``costs[m]``: query block m's cost (its key blocks, plus one for the tile's own
+    work). Each head's middle block otherwise pairs with the next head's first, one dearer (or
+    cheaper) pair every ``num_m_blocks``; where the deal brings those pairs to the same thread
+    blocks round after round (11 or 33 blocks on 132 SMs) the slowest carries about 1.4× the
+    mean. The two orders are weighed by the busiest thread block's cost, and two heads go
+    together only where that gains ``PAIR_GAIN`` or more: below it the measured effect went
+    both ways (``benchmarks/results/fwd_tile_order.md``)."""
+    nm = num_m_blocks
+    if nm % 2 == 0 or nm == 1 or flat == 1:
+        return False
+
+    def busiest(two_heads):
+        loads = [0] * grid
+        for t in range(nm * flat):
+            loads[t // 2 % grid] += costs[tile_of(t, nm, flat, 1, True, two_heads)[0]]
+        return max(loads)
+
+    return busiest(False) >= PAIR_GAIN * busiest(True)
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_fwd(
     batch,
@@ -221,19 +278,20 @@ def flashattn_fwd(
         # Only the very last unit can be short (t >= num_tiles: no tile).
         return (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
 
-    def tile_coords(t):
-        # (query block, head, batch) of tile t. Tiles of one head are consecutive, so thread
-        # blocks running side by side share K/V in L2.
-        r = t % num_m_blocks
-        m_blk = r
-        if tiles_per_unit == 2:
-            # r even: num_m_blocks - 1 - r // 2, r odd: r // 2 (arithmetic, not a select: a
-            # select here trips TileLang 0.1.15's ThreadSync pass on some shapes).
-            m_blk = r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
-        return m_blk, t // num_m_blocks % heads, t // (num_m_blocks * heads)
-
     def key_range(m_blk):
         return window_key_blocks(m_blk, block_M, block_N, seq_q, seq_kv, window_left, window_right)
+
+    # Odd block counts, in pairs: two heads together where the model of the deal says it pays
+    # (``heads_together``).
+    costs = [int(key_range(m)[1]) + 1 for m in range(num_m_blocks)]
+    two_heads = tiles_per_unit == 2 and heads_together(num_m_blocks, heads * batch, grid, costs)
+
+    def tile_coords(t):
+        # (query block, head, batch) of tile t. Tiles of one head are consecutive, so thread
+        # blocks running side by side share K/V in L2; in pairs, a head's query blocks
+        # alternate heaviest and lightest, and an odd count's middle blocks pair up two heads
+        # at a time (``tile_of``).
+        return tile_of(t, num_m_blocks, heads, batch, tiles_per_unit == 2, two_heads)
 
     def mask_runs(m_blk, n_start, n_blocks):
         return window_mask_runs(

@@ -71,6 +71,7 @@ PRODUCER_REGS = 24
 
 # ----------------------------------------------------------------------------- kernel
 MIN_PART_BLOCKS = 4  # key blocks a part walks at least (its Q load and epilogue are fixed costs)
+PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
 
 
 def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
@@ -99,18 +100,60 @@ def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
     return rounds * num_sms, tail, splits
 
 
-def tile_of(t, num_m_blocks, heads, causal):
-    """(query block, head, batch) of tile t, in flashattn_fwd's order (and its combine's). Tiles
-    of one head are consecutive, so thread blocks running side by side share K/V in L2; causal,
-    a head's query blocks alternate heaviest and lightest (7, 0, 6, 1, ... of 8), so that
-    consecutive tiles pair up."""
-    r = t % num_m_blocks
-    m_blk = r
-    if causal:
-        # r even: num_m_blocks - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
+def tile_of(t, num_m_blocks, heads, batch, causal, two_heads):
+    """(query block, head, batch) of tile t, in flashattn_fwd's order (and its combine's).
+    Tiles of one head are consecutive, so thread blocks running side by side share K/V in L2;
+    causal, a head's query blocks alternate heaviest and lightest (7, 0, 6, 1, ... of 8), so
+    that consecutive tiles pair up into equal costs. An odd count leaves each head's middle
+    block unpaired (5 of 11); with ``two_heads`` (``heads_together``) two heads go together,
+    the first's paired blocks, the second's, and the two middle blocks last, a pair of the
+    same cost. (Without it the middle block pairs with the next head's first.)"""
+    nm, flat = num_m_blocks, batch * heads
+
+    def alternate(r):
+        # r even: nm - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
         # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
-        m_blk = r // 2 + (1 - r % 2) * (num_m_blocks - 1 - r // 2 * 2)
-    return m_blk, t // num_m_blocks % heads, t // (num_m_blocks * heads)
+        return r // 2 + (1 - r % 2) * (nm - 1 - r // 2 * 2)
+
+    if not causal:
+        m_blk, f = t % nm, t // nm
+    elif not two_heads:
+        m_blk, f = alternate(t % nm), t // nm
+    else:
+        pair, s = t // (2 * nm), t % (2 * nm)
+        middle = s // (2 * nm - 2)  # 1 for the two middle blocks
+        s_paired = s % (2 * nm - 2)
+        second = (1 - middle) * (s_paired // (nm - 1)) + middle * s_paired
+        m_pair = (1 - middle) * alternate(s_paired % (nm - 1)) + middle * (nm // 2)
+        # An odd number of heads leaves the last one alone, in the plain order (its middle
+        # block comes last there too).
+        alone = t // ((flat - 1) * nm) if flat % 2 else 0
+        m_blk = alone * alternate(t % nm) + (1 - alone) * m_pair
+        f = alone * (t // nm) + (1 - alone) * (2 * pair + second)
+    return m_blk, f % heads, f // heads
+
+
+def heads_together(num_m_blocks, flat, grid, costs):
+    """Whether the pairs of an odd block count go two heads at a time (``tile_of``), for
+    ``flat`` heads (batch × heads) dealt a pair at a time round-robin over ``grid`` thread
+    blocks; ``costs[m]``: query block m's cost (its key blocks, plus one for the tile's own
+    work). Each head's middle block otherwise pairs with the next head's first, one dearer (or
+    cheaper) pair every ``num_m_blocks``; where the deal brings those pairs to the same thread
+    blocks round after round (11 or 33 blocks on 132 SMs) the slowest carries about 1.4× the
+    mean. The two orders are weighed by the busiest thread block's cost, and two heads go
+    together only where that gains ``PAIR_GAIN`` or more: below it the measured effect went
+    both ways (``benchmarks/results/fwd_tile_order.md``)."""
+    nm = num_m_blocks
+    if nm % 2 == 0 or nm == 1 or flat == 1:
+        return False
+
+    def busiest(two_heads):
+        loads = [0] * grid
+        for t in range(nm * flat):
+            loads[t // 2 % grid] += costs[tile_of(t, nm, flat, 1, True, two_heads)[0]]
+        return max(loads)
+
+    return busiest(False) >= PAIR_GAIN * busiest(True)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -172,9 +215,6 @@ def flashattn_fwd(
         # Only the very last unit can be short (t >= num_tiles: no tile).
         return (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
 
-    def tile_coords(t):
-        return tile_of(t, num_m_blocks, heads, causal)
-
     def key_blocks(m_blk):
         # Key blocks query block m_blk visits. At least one, even when no row sees a key
         # (causal, Sq > Sk): the consumers then write O = 0 and lse = +inf as for any empty row.
@@ -182,6 +222,14 @@ def flashattn_fwd(
             last_key = (m_blk + 1) * block_M + offset  # one past the last key this block sees
             return T.max(1, T.min(T.ceildiv(seq_kv, block_N), T.ceildiv(last_key, block_N)))
         return T.ceildiv(seq_kv, block_N)
+
+    # Odd block counts, in pairs: two heads together where the model of the deal says it pays
+    # (``heads_together``; never with parts, which causal grids take only as single tiles).
+    costs = [int(key_blocks(m)) + 1 for m in range(num_m_blocks)]
+    two_heads = tiles_per_unit == 2 and heads_together(num_m_blocks, heads * batch, grid, costs)
+
+    def tile_coords(t):
+        return tile_of(t, num_m_blocks, heads, batch, causal, two_heads)
 
     def first_masked_block(m_blk):
         # Only the ragged tail block (Sk % block_N) and, when causal, the blocks crossing the
@@ -552,7 +600,8 @@ def flashattn_fwd_combine(
     ):
         with T.Kernel(split_tiles * (block_M // rows), threads=128) as bx:
             j, rb = bx // (block_M // rows), bx % (block_M // rows)  # split tile, rows in it
-            m_blk, by, bz = tile_of(whole_tiles + j, num_m_blocks, heads, causal)
+            # (never two heads together: causal tiles go in parts only when fewer than the SMs)
+            m_blk, by, bz = tile_of(whole_tiles + j, num_m_blocks, heads, batch, causal, False)
             row0 = m_blk * block_M + rb * rows
             lse_max = T.alloc_fragment([rows], accum_dtype)
             weights = T.alloc_fragment([rows], accum_dtype)
@@ -595,7 +644,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     D=128: 128×128 tiles (two consumer warpgroups), two K/V stages. D=64: 192-row tiles (three
     consumer warpgroups at 160 registers), except causal with Sk ≤ 2048, where 128-row tiles
     were much faster (S=1024: 0.99x vs 0.83x cuDNN; S=2048: 0.92-0.97x vs 0.73-0.79x); from
-    S=4096 on the 192-row tiles win (1.00x vs 0.92x). D=256: 64 keys a block, two stages, O
+    S=4096 on the 192-row tiles win (1.00x vs 0.92x); at causal S=2048 the 192-row tiles' 11
+    query blocks a head had dealt their dear pairs to the same thread blocks every round, and
+    with two heads together (``heads_together``) they ran level with 128 rows (357 against 361
+    TFLOP/s, B8 H64 bf16, 2026-11-27), so 128 stays. D=256: 64 keys a block, two stages, O
     stored from registers (Q and the K/V ring fill shared memory): at S=1024, 501 TFLOP/s against
     386 with one stage and O through shared memory, 426 with 32 keys a block, 451 with 64 rows.
     """
