@@ -6,15 +6,18 @@ bf16 — the setting of FlashAttention-3's published varlen figures. For each:
 
 - forward: ours (example_mha_fwd_varlen.py) against FA3's ``flash_attn_varlen_func`` (bf16
   only; skipped when ``fa3_fwd_interface`` is missing or is not FA3's), and against our dense
-  forward (example_mha_fwd_bshd.py) at the same token count, B = 16384 / S sequences of equal
-  length S, beside our varlen kernel on that same equal-length batch (the cost of varlen
-  itself);
+  forward (example_mha_fwd_bshd.py) at the same token count, B = 16384 // S sequences of
+  equal length S (the batch's first B·S tokens), beside our varlen kernel on that same
+  equal-length batch (the cost of varlen itself);
 - backward (the backward pass alone, 2.5× the forward FLOPs): ours
   (example_gqa_bwd_tma_reduce_varlen.py, one kv head per query head) against SDPA FLASH (FA2)
   and cuDNN on the padded equivalent — the batch padded to its longest sequence, which is what
   a model without varlen kernels runs; and, at the same token count, our dense hand-scheduled
   backward (example_mha_bwd_wgmma_pipelined.py, which example_gqa_bwd.py's ``group`` strategy
-  runs) on B = 16384 / S sequences of length S, beside our varlen backward on that batch.
+  runs) on B = 16384 // S sequences of length S, beside our varlen backward on that batch.
+
+The equal-length S default to 2048, 4096 and ``matched``: the S whose dense batch does the same
+attention work per token as the random one, ΣL² / ΣL (2426 for the seeded batch).
 
 FLOPs count the useful work of the packed batch (summed per sequence, as docs/CONVENTIONS.md
 says) for every row of a report, padded peers included, so TFLOP/s compare as times. Each of our
@@ -28,6 +31,7 @@ Writes ``<out>/varlen.json`` (one record per implementation and setting) and
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import math
@@ -63,6 +67,22 @@ def random_lengths(tokens=TOKENS, max_len=MAX_LEN, seed=0):
         lengths.append(int(torch.randint(1, max_len + 1, (1,), generator=g)))
     lengths[-1] -= sum(lengths) - tokens
     return lengths
+
+
+def matched_seqlen(lengths):
+    """The S at which equal-length sequences do as much attention work per token as ``lengths``
+    (work per sequence ∝ L², causal or not): ΣL² / ΣL, rounded."""
+    return round(sum(n * n for n in lengths) / sum(lengths))
+
+
+def seqlen_arg(text):
+    """--dense-seqlens: a length in 1..16384, or ``matched`` (``matched_seqlen``)."""
+    if text == "matched":
+        return text
+    S = int(text)
+    if not 1 <= S <= TOKENS:
+        raise argparse.ArgumentTypeError(f"{S} is not in 1..{TOKENS}")
+    return S
 
 
 def make_batch(lengths, dtype, seed=0):
@@ -126,10 +146,11 @@ def forward_rows(fwd, dense, lengths, causal, dtype_name, dense_seqlens):
     ]
 
     for S in dense_seqlens:
-        B = TOKENS // S
-        q, k, v = (t.view(B, S, HEADS, DIM) for t in (p["q"], p["k"], p["v"]))
+        B = TOKENS // S  # the first B·S tokens, when S does not divide them
+        packed = [p[n][: B * S] for n in ("q", "k", "v")]
+        q, k, v = (t.view(B, S, HEADS, DIM) for t in packed)
         equal_cu = torch.arange(0, B * S + 1, S, dtype=torch.int32, device="cuda")
-        equal = (p["q"], p["k"], p["v"], equal_cu, equal_cu, S, S)
+        equal = (*packed, equal_cu, equal_cu, S, S)
         check = harness.sdpa_peers(q, k, v, causal, scale)["sdpa_flash(FA2)"]()
         rel = harness.check_close("dense", dense.attention(q, k, v, causal, scale), check, 1e-2)
         ours = {
@@ -139,7 +160,7 @@ def forward_rows(fwd, dense, lengths, causal, dtype_name, dense_seqlens):
         flops = harness.attention_flops(B, HEADS, S, S, DIM, DIM, causal)
         title = f"equal lengths fwd B{B} S{S} H{HEADS} D{DIM} causal={causal} {dtype_name}"
         rows += [
-            {**r, **setting, "mode": "fwd-equal", "S": S, "B": B, "rel_err": rel}
+            {**r, **setting, "mode": "fwd-equal", "S": S, "B": B, "tokens": B * S, "rel_err": rel}
             for r in harness.report(title, ours, {}, flops)
         ]
     return rows
@@ -175,19 +196,20 @@ def backward_rows(bwd, dense_bwd, lengths, causal, dtype_name, dense_seqlens):
         for r in harness.report(title, ours, peers, flops)
     ]
 
-    # The same tokens as B = TOKENS / S sequences of length S: the dense hand-scheduled backward
+    # The same tokens as B = TOKENS // S sequences of length S: the dense hand-scheduled backward
     # (example_gqa_bwd.py's `group` strategy runs it; here one kv head per query head) beside
     # the varlen one on that batch, both as their plain backward functions (no autograd).
-    packed = [p[n] for n in ("q", "k", "v")]
     for S in dense_seqlens:
-        B = TOKENS // S
-        q, k, v, dout = (p[n].view(B, S, HEADS, DIM) for n in ("q", "k", "v", "dout"))
+        B = TOKENS // S  # the first B·S tokens, when S does not divide them
+        packed = [p[n][: B * S] for n in ("q", "k", "v")]
+        equal_dout = p["dout"][: B * S]
+        q, k, v, dout = (t.view(B, S, HEADS, DIM) for t in (*packed, equal_dout))
         out, lse = dense_bwd.attention_forward(q, k, v, causal, scale)
         cu_eq = torch.arange(0, B * S + 1, S, dtype=torch.int32, device="cuda")
         v_out, v_lse = bwd.attention_forward(*packed, cu_eq, cu_eq, S, causal, scale)
         dense_grads = dense_bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)
         varlen_grads = bwd.attention_backward(
-            p["dout"], *packed, v_out, v_lse, cu_eq, cu_eq, (S, S), causal, scale
+            equal_dout, *packed, v_out, v_lse, cu_eq, cu_eq, (S, S), causal, scale
         )
         rel = max(
             harness.check_close(f"d{n} equal", a.reshape(b.shape), b, 2e-2)
@@ -197,14 +219,15 @@ def backward_rows(bwd, dense_bwd, lengths, causal, dtype_name, dense_seqlens):
             "tilelang dense": lambda q=q, k=k, v=v, dout=dout, out=out, lse=lse: (
                 dense_bwd.attention_backward(dout, q, k, v, out, lse, causal, scale)
             ),
-            "tilelang varlen equal": lambda o=v_out, s=v_lse, cu=cu_eq, S=S: bwd.attention_backward(
-                p["dout"], *packed, o, s, cu, cu, (S, S), causal, scale
+            "tilelang varlen equal": functools.partial(
+                bwd.attention_backward,
+                *(equal_dout, *packed, v_out, v_lse, cu_eq, cu_eq, (S, S), causal, scale),
             ),
         }
         flops = harness.attention_flops(B, HEADS, S, S, DIM, DIM, causal, backward=True)
         title = f"equal lengths bwd B{B} S{S} H{HEADS} D{DIM} causal={causal} {dtype_name}"
         rows += [
-            {**r, **setting, "mode": "bwd-equal", "S": S, "B": B, "rel_err": rel}
+            {**r, **setting, "mode": "bwd-equal", "S": S, "B": B, "tokens": B * S, "rel_err": rel}
             for r in harness.report(title, ours, {}, flops)
         ]
     return rows
@@ -266,30 +289,30 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=harness.DTYPES)
     p.add_argument(
         "--dense-seqlens",
-        type=int,
+        type=seqlen_arg,
         nargs="+",
-        default=[2048, 4096],
-        help="S of the equal-length dense batches (B = 16384 / S)",
+        default=[2048, "matched", 4096],
+        help="S of the equal-length dense batches (B = 16384 // S); 'matched': the S of equal "
+        "attention work per token (ΣL² / ΣL of the random batch)",
     )
     p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = p.parse_args(argv)
-    if any(TOKENS % S for S in args.dense_seqlens):
-        p.error(f"--dense-seqlens must divide {TOKENS}")
+    lengths = random_lengths()
+    dense_seqlens = [matched_seqlen(lengths) if S == "matched" else S for S in args.dense_seqlens]
     harness.require_gpu("benchmarks/bench_varlen.py")
     fwd = load("examples/flash_attention/example_mha_fwd_varlen.py")
     dense = load("examples/flash_attention/example_mha_fwd_bshd.py")
     bwd = load("examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
     dense_bwd = bwd.fast_bwd  # example_mha_bwd_wgmma_pipelined.py, as the varlen script loaded it
-    lengths = random_lengths()
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens, lengths {lengths}")
 
     rows = []
     for dtype in args.dtypes:
         for causal in (False, True):
             if "fwd" in args.modes:
-                rows += forward_rows(fwd, dense, lengths, causal, dtype, args.dense_seqlens)
+                rows += forward_rows(fwd, dense, lengths, causal, dtype, dense_seqlens)
             if "bwd" in args.modes:
-                rows += backward_rows(bwd, dense_bwd, lengths, causal, dtype, args.dense_seqlens)
+                rows += backward_rows(bwd, dense_bwd, lengths, causal, dtype, dense_seqlens)
 
     args.out.mkdir(parents=True, exist_ok=True)
     device, date = torch.cuda.get_device_name(), str(datetime.date.today())
@@ -298,7 +321,7 @@ def main(argv=None):
     table = (
         f"Varlen attention, TFLOP/s of useful work ({device}, {date}; {len(lengths)} sequences "
         f"of random length 1..{MAX_LEN}, {TOKENS} tokens, H{HEADS} D{DIM})\n\n"
-        + markdown(rows, args.dense_seqlens)
+        + markdown(rows, dense_seqlens)
     )
     (args.out / "varlen.md").write_text(table)
     print(table)

@@ -3,6 +3,7 @@ example_gqa_bwd_tma_reduce_varlen.py: references against per-sequence dense refe
 padded batch (through bert_padding, with gradients), cu_seqlens validation, command lines and
 sm_90a builds (CPU); forward and gradient matrices on a GPU (marker ``gpu``)."""
 
+import argparse
 import functools
 import itertools
 import math
@@ -848,3 +849,20 @@ def test_backward_fits_hopper_shared_memory(dim):
         mod.fast_bwd.flash_bwd, "sm_90a", *args, **cfg, groups=4, layout="thd"
     )  # fmt: skip
     assert harness.dynamic_smem_bytes(kernel) <= 232448
+
+
+def test_bench_dense_seqlens():
+    """bench_varlen's equal-length batches: any S in 1..16384 (the first B·S tokens when S does
+    not divide them) or ``matched``, the S of equal attention work per token (ΣL² / ΣL)."""
+    lengths = bench_varlen.random_lengths()
+    assert bench_varlen.matched_seqlen(lengths) == round(
+        sum(n * n for n in lengths) / bench_varlen.TOKENS
+    )
+    assert bench_varlen.matched_seqlen([100, 300]) == 250  # (10^4 + 9·10^4) / 400
+    assert bench_varlen.seqlen_arg("matched") == "matched"
+    assert bench_varlen.seqlen_arg("2426") == 2426 and bench_varlen.seqlen_arg("16384") == 16384
+    for bad in ("0", "16385"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_varlen.seqlen_arg(bad)
+    with pytest.raises(SystemExit):
+        bench_varlen.main(["--dense-seqlens", "0"])
