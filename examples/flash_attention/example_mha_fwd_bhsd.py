@@ -17,6 +17,9 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   asynchronous WGMMA and runs the softmax of block k while the second one still runs;
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
   under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
+  causal tiles go in pairs of equal cost, a head's heaviest query block with its lightest (with
+  an odd count, two heads together where the deal would keep handing the dear pair to the
+  same SMs: ``tile_of``, ``heads_together``);
 - split-KV where tiles would leave SMs idle (without causal the last round's, and every tile
   when there are fewer tiles than SMs, causal too): each such tile is walked as several parts
   over its key blocks, one a thread block, and a second kernel (``flashattn_fwd_combine``)
