@@ -285,16 +285,14 @@ def test_tile_order_is_the_dense_forwards():
     """The sink forward deals its tiles in the dense forward's order: plain, or paired
     heaviest with lightest (a window bounded on one side), odd counts' middle blocks together
     where the same model of the deal says so."""
-    sink_order = load_script(FWD).tile_of
-    dense_order = load_script("flash_attention/example_mha_fwd_bshd.py").tile_of
+    sink, dense = load_script(FWD), load_script("flash_attention/example_mha_fwd_bshd.py")
     cases = itertools.product((1, 4, 5, 11), (1, 3, 4), (1, 3), (0, 1), (0, 1))
     for nm, heads, batch, paired, two_heads in cases:
         two_heads = two_heads and nm % 2 == 1 and nm > 1 and heads * batch > 1
         tiles = range(nm * heads * batch)
-        assert [sink_order(t, nm, heads, batch, paired, two_heads) for t in tiles] == [
-            dense_order(t, nm, heads, batch, paired, two_heads) for t in tiles
+        assert [sink.tile_of(t, nm, heads, batch, paired, two_heads) for t in tiles] == [
+            dense.tile_of(t, nm, heads, batch, paired, two_heads) for t in tiles
         ]
-    sink, dense = load_script(FWD), load_script("flash_attention/example_mha_fwd_bshd.py")
     assert sink.PAIR_GAIN == dense.PAIR_GAIN
     for nm, flat, grid in ((11, 384, 132), (63, 32, 132), (5, 99, 132), (9, 27, 100)):
         costs = [m + 2 for m in range(nm)]

@@ -294,9 +294,10 @@ def test_split_tiles_build(script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_odd_count_builds(script):
     """Causal grids of an odd block count build for sm_90a without spills: in pairs of two heads
-    (B1 H33 S640: 5 blocks a head, a last head alone) and, with fewer tiles than SMs, in parts
-    with the plain order (B1 H2 S1100: 9 blocks a head; two heads together there failed to
-    build in TileLang 0.1.15)."""
+    (B1 H33 S640: 5 blocks a head, a last head alone: heads_together says so, and the program
+    holds tile_of's two-head order, the only one with a lone last head) and, with fewer tiles
+    than SMs, in parts with the plain order (B1 H2 S1100: 9 blocks a head; two heads together
+    there failed to build in TileLang 0.1.15)."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
@@ -306,10 +307,14 @@ def test_odd_count_builds(script):
         heads = (heads, 1 if heads % 2 else heads // 2) if script == GQA else (heads,)
         cfg = mod.default_config(128, True, "sm_90a", seq)
         args = (1, *heads, seq, seq, 128, True, 128**-0.5, "bfloat16")
-        src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+        kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
+        src = kernel.get_kernel_source()
         report = ptxas_report(src)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
         assert ("float* __restrict__ O_part" in src) == (seq == 1100)
+        # the lone head starts after 32 heads of 5 blocks: tile t // 160 (two heads only)
+        program = mod.flashattn_fwd.get_tir(*args, **cfg).script()
+        assert ("// 160" in program) == (seq == 640)
 
 
 def test_hopper_only():
