@@ -376,10 +376,10 @@ def test_persistent_forward_code(script):
     """The forward scripts' kernel: one for every batch (total_q, total_k, the batch and the
     tile list's shape arrive as kernel arguments; the list's grid is the launch grid), written
     out as producer and consumer warpgroups (24 and 240 registers, S(k) issued before
-    P(k-1) V(k-1) is waited for). Each round reads its entry of the tile list and skips an empty
-    one before any load. Q/K/V come by TMA at per-sequence offsets; the output leaves by TMA
-    store only from blocks wholly inside their sequence (a box would overwrite the next
-    sequence's rows), by a guarded store otherwise."""
+    P(k-1) V(k-1) is waited for, and before V(k-1)'s load is). Each round reads its entry of
+    the tile list and skips an empty one before any load. Q/K/V come by TMA at per-sequence
+    offsets; the output leaves by TMA store only from blocks wholly inside their sequence (a box
+    would overwrite the next sequence's rows), by a guarded store otherwise."""
     src = sources(script, 128, True, "float16")["flashattn_fwd_varlen"]
     signature = src[: src.index("{")]
     for arg in (
@@ -393,6 +393,10 @@ def test_persistent_forward_code(script):
     assert "__launch_bounds__(384, 1)" in src  # two consumer warpgroups + the producer
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
     assert src.count("wait_wgmma<1>") >= 1, "QKᵀ of block k overlaps PV of block k-1"
+    # in the key loop, V(k-1)'s wait sits between S(k)'s issue and P(k-1) V(k-1)'s
+    loop = src[re.search(r"for \(int k\w* = 1; ", src).start() :]
+    s_issue, v_wait = loop.index("tl::wgmma_ss<"), loop.index("v_full[")
+    assert s_issue < v_wait < loop.index("tl::wgmma_rs<")
     for tensor in ("Q", "K", "V"):
         assert f"tl::tma_load({tensor}_desc" in src, tensor
     # the round's entry first; an empty one (bz < 0) skips everything, loads included

@@ -337,7 +337,6 @@ def flashattn_fwd_varlen(
                             stage = g % num_stages
                             prev = (g - 1) % num_stages
                             T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
-                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
                             T.wgmma_gemm(
                                 Q_shared,
                                 K_shared[stage, :, :],
@@ -346,6 +345,9 @@ def flashattn_fwd_varlen(
                                 clear_accum=True,
                                 policy=T.GemmWarpPolicy.FullRow,
                             )
+                            # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
+                            # landed load's wait costs cycles, idle tensor cores if spent first.
+                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
                             T.wgmma_gemm(
                                 acc_s_cast,
                                 V_shared[prev, :, :],
