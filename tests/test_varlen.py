@@ -6,9 +6,11 @@ sm_90a builds (CPU); forward and gradient matrices on a GPU (marker ``gpu``)."""
 import argparse
 import functools
 import itertools
+import json
 import math
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -867,3 +869,36 @@ def test_bench_dense_seqlens():
             bench_varlen.seqlen_arg(bad)
     with pytest.raises(SystemExit):
         bench_varlen.main(["--dense-seqlens", "0"])
+
+
+def test_bench_records_when_and_how(tmp_path, monkeypatch):
+    """bench_varlen's results say which command made them and when (UTC), in varlen.md's
+    header and in varlen.json, beside the tables. The GPU parts are stubbed: one forward row and
+    one backward row for each setting."""
+    rows = {"fwd": 0, "bwd": 0}
+
+    def fake_rows(mode):
+        def make(_kernels, _dense, _lengths, causal, dtype, _seqlens):
+            rows[mode] += 1
+            impl = "tilelang varlen"
+            return [{"mode": mode, "impl": impl, "causal": causal, "dtype": dtype, "tflops": 500.0,
+                     "ms": 1.0, "ours": True}]  # fmt: skip
+
+        return make
+
+    monkeypatch.setattr(bench_varlen.harness, "require_gpu", lambda name: None)
+    monkeypatch.setattr(bench_varlen, "load", lambda path: types.SimpleNamespace(fast_bwd=None))
+    monkeypatch.setattr(bench_varlen, "forward_rows", fake_rows("fwd"))
+    monkeypatch.setattr(bench_varlen, "backward_rows", fake_rows("bwd"))
+    monkeypatch.setattr(bench_varlen.torch.cuda, "get_device_name", lambda: "GPU X")
+    bench_varlen.main(["--out", str(tmp_path), "--dtypes", "bfloat16", "--dense-seqlens", "2048"])
+    assert rows == {"fwd": 2, "bwd": 2}  # causal and not
+    command = (
+        f"python benchmarks/bench_varlen.py --out {tmp_path} --dtypes bfloat16 --dense-seqlens 2048"
+    )
+    table = (tmp_path / "varlen.md").read_text()
+    assert f"`{command}`, one process, " in table
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d–\d\d:\d\d UTC", table)
+    record = json.loads((tmp_path / "varlen.json").read_text())
+    assert record["command"] == command and record["device"] == "GPU X"
+    assert re.fullmatch(r"\d\d:\d\d–\d\d:\d\d UTC", record["time"])
