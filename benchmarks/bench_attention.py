@@ -17,6 +17,7 @@ Writes ``<out>/<mode>.json`` (one record per implementation and shape; bwd.json 
 README shows) and ``<out>/<mode>.png``
 (TFLOP/s against S, one line per implementation; fwd_bwd.png for the training step).
 ``--render`` rebuilds the tables and plots from saved JSON files (several partial runs merge).
+Each JSON records the command and the UTC time of its run, and the tables say them.
 
     python benchmarks/bench_attention.py --out benchmarks/results --modes fwd bwd bwd_gqa
     python benchmarks/bench_attention.py --render bwd_d128.json bwd_d64.json --out results
@@ -278,12 +279,23 @@ TITLES = {
 FILES = {m: m.replace("+", "_") for m in TITLES}  # fwd+bwd → fwd_bwd.png
 
 
-def render(rows, out, device, date):
-    """Tables (``<mode>.md``) and plots for the rows' modes; bwd.md holds both backward tables."""
+def run_line(record):
+    """How a saved run was made, for the tables: its command and UTC time (None for JSON files
+    written before runs recorded them)."""
+    if "command" not in record:
+        return None
+    return f"`{record['command']}`, one process, {record['date']} {record['time']}."
+
+
+def render(rows, out, device, date, runs=()):
+    """Tables (``<mode>.md``) and plots for the rows' modes; bwd.md holds both backward tables.
+    ``runs``: a line for each run the rows come from (``run_line``), under each title."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
+    made = "".join(f"{line}\n" for line in runs if line)
     tables = {}
     for mode in modes:
-        tables[mode] = f"{TITLES[mode]}, TFLOP/s ({device}, {date})\n\n" + markdown(rows, mode)
+        title = f"{TITLES[mode]}, TFLOP/s ({device}, {date})\n\n"
+        tables[mode] = title + (f"{made}\n" if made else "") + markdown(rows, mode)
         plot(rows, out / f"{FILES[mode]}.png", mode, TITLES[mode].lower(), device, date)
     if "fwd" in tables:
         (out / "fwd.md").write_text(tables["fwd"])
@@ -312,18 +324,26 @@ def main(argv=None):
     if args.render:
         saved = [json.loads(path.read_text()) for path in args.render]
         rows = [r for s in saved for r in s["rows"]]
-        print(render(rows, args.out, saved[0]["device"], saved[0]["date"]))
+        runs = [run_line(s) for s in saved]
+        print(render(rows, args.out, saved[0]["device"], saved[0]["date"], runs))
         return
     harness.require_gpu("benchmarks/bench_attention.py")
-    device, date = torch.cuda.get_device_name(), str(datetime.date.today())
+    device = torch.cuda.get_device_name()
+    command = " ".join(
+        ["python benchmarks/bench_attention.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     runners = {"fwd": forward_rows, "bwd": backward_rows, "bwd_gqa": gqa_backward_rows}
     for mode in args.modes:
+        start = datetime.datetime.now(datetime.timezone.utc)
         rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only)
         if args.build_only:
             continue
+        end = datetime.datetime.now(datetime.timezone.utc)
+        date, when = str(start.date()), f"{start:%H:%M}–{end:%H:%M} UTC"
+        record = {"device": device, "date": date, "time": when, "command": command, "rows": rows}
         with open(args.out / f"{mode}{args.tag}.json", "w") as f:
-            json.dump({"device": device, "date": date, "rows": rows}, f, indent=1)
-        print(render(rows, args.out, device, date))
+            json.dump(record, f, indent=1)
+        print(render(rows, args.out, device, date, [run_line(record)]))
 
 
 if __name__ == "__main__":
