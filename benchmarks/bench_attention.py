@@ -24,7 +24,6 @@ Each JSON records the command and the UTC time of its run, and the tables say th
 """
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -279,17 +278,9 @@ TITLES = {
 FILES = {m: m.replace("+", "_") for m in TITLES}  # fwd+bwd → fwd_bwd.png
 
 
-def run_line(record):
-    """How a saved run was made, for the tables: its command and UTC time (None for JSON files
-    written before runs recorded them)."""
-    if "command" not in record:
-        return None
-    return f"`{record['command']}`, one process, {record['date']} {record['time']}."
-
-
 def render(rows, out, device, date, runs=()):
     """Tables (``<mode>.md``) and plots for the rows' modes; bwd.md holds both backward tables.
-    ``runs``: a line for each run the rows come from (``run_line``), under each title."""
+    ``runs``: a line for each run the rows come from (``harness.run_line``), under each title."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     made = "".join(f"{line}\n" for line in runs if line)
     tables = {}
@@ -324,26 +315,22 @@ def main(argv=None):
     if args.render:
         saved = [json.loads(path.read_text()) for path in args.render]
         rows = [r for s in saved for r in s["rows"]]
-        runs = [run_line(s) for s in saved]
+        runs = [harness.run_line(s) for s in saved]
         print(render(rows, args.out, saved[0]["device"], saved[0]["date"], runs))
         return
     harness.require_gpu("benchmarks/bench_attention.py")
     device = torch.cuda.get_device_name()
-    command = " ".join(
-        ["python benchmarks/bench_attention.py", *(sys.argv[1:] if argv is None else argv)]
-    )
+    command = harness.command_line("benchmarks/bench_attention.py", argv)
     runners = {"fwd": forward_rows, "bwd": backward_rows, "bwd_gqa": gqa_backward_rows}
     for mode in args.modes:
-        start = datetime.datetime.now(datetime.timezone.utc)
+        start = harness.utc_now()
         rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only)
         if args.build_only:
             continue
-        end = datetime.datetime.now(datetime.timezone.utc)
-        date, when = str(start.date()), f"{start:%H:%M}–{end:%H:%M} UTC"
-        record = {"device": device, "date": date, "time": when, "command": command, "rows": rows}
+        record = {"device": device, **harness.run_stamp(command, start), "rows": rows}
         with open(args.out / f"{mode}{args.tag}.json", "w") as f:
             json.dump(record, f, indent=1)
-        print(render(rows, args.out, device, date, [run_line(record)]))
+        print(render(rows, args.out, device, record["date"], [harness.run_line(record)]))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Writes ``<out>/varlen.json`` (one record per implementation and setting) and
 """
 
 import argparse
-import datetime
 import functools
 import importlib.util
 import json
@@ -305,10 +304,8 @@ def main(argv=None):
     bwd = load("examples/flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
     dense_bwd = bwd.fast_bwd  # example_mha_bwd_wgmma_pipelined.py, as the varlen script loaded it
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens, lengths {lengths}")
-    command = " ".join(
-        ["python benchmarks/bench_varlen.py", *(sys.argv[1:] if argv is None else argv)]
-    )
-    start = datetime.datetime.now(datetime.timezone.utc)
+    command = harness.command_line("benchmarks/bench_varlen.py", argv)
+    start = harness.utc_now()
 
     rows = []
     for dtype in args.dtypes:
@@ -319,17 +316,16 @@ def main(argv=None):
                 rows += backward_rows(bwd, dense_bwd, lengths, causal, dtype, dense_seqlens)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    device, date = torch.cuda.get_device_name(), str(start.date())
-    end = datetime.datetime.now(datetime.timezone.utc)
-    when = f"{start:%H:%M}–{end:%H:%M} UTC"
-    record = {"device": device, "date": date, "time": when, "command": command}
-    record.update(lengths=lengths, rows=rows)
+    device = torch.cuda.get_device_name()
+    record = {"device": device, **harness.run_stamp(command, start), "lengths": lengths}
+    record["rows"] = rows
+    date = record["date"]
     (args.out / "varlen.json").write_text(json.dumps(record, indent=1))
     table = (
         f"Varlen attention, TFLOP/s of useful work ({device}, {date}; {len(lengths)} sequences "
         f"of random length 1..{MAX_LEN}, {TOKENS} tokens, H{HEADS} D{DIM})\n\n"
-        f"`{command}`, one process, {date} {when}. The first table is the forward, the "
-        "second the backward alone.\n\n" + markdown(rows, dense_seqlens)
+        f"{harness.run_line(record)} The first table is the forward, the second the backward "
+        "alone.\n\n" + markdown(rows, dense_seqlens)
     )
     (args.out / "varlen.md").write_text(table)
     print(table)

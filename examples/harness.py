@@ -9,6 +9,7 @@ we compare against).
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import statistics
 import sys
@@ -243,6 +244,32 @@ def report(title: str, ours: dict, peers: dict, flops: float, rounds: int = 3) -
 def fastest(rows: list[dict]) -> str:
     """``--tune``'s pick: the name of the fastest of our rows in a ``report``."""
     return min((r for r in rows if r["ours"]), key=lambda r: r["ms"])["impl"]
+
+
+# ----------------------------------------------------------------------------- run records
+def command_line(script: str, argv=None) -> str:
+    """How a benchmark was started, as its results record it: ``python <script>`` and its
+    arguments (``argv`` None: the process's own)."""
+    return " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def run_stamp(command: str, start: datetime.datetime) -> dict:
+    """What a benchmark's JSON records of its run: the command, and the UTC date and the time
+    span from ``start`` to now."""
+    end = utc_now()
+    return {"command": command, "date": str(start.date()), "time": f"{start:%H:%M}–{end:%H:%M} UTC"}
+
+
+def run_line(record: dict) -> str | None:
+    """The line a results table gives a run (``run_stamp``'s fields): None for a record written
+    before runs kept them."""
+    if "command" not in record:
+        return None
+    return f"`{record['command']}`, one process, {record['date']} {record['time']}."
 
 
 # ----------------------------------------------------------------------------- backward scripts
