@@ -136,6 +136,31 @@ def test_causal_key_loops_build(batch, heads, seq_len):
     assert src.count("wgmma_ss") >= 3  # S of the first block, then of each loop
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_d256_output_staged_in_v_ring(script, causal):
+    """At D=256, Q and the K/V ring fill shared memory, so O is staged in V's ring and leaves by
+    TMA: the consumers wait for each other's last P V (a named barrier) before writing it there,
+    arrive on ``o_free`` after the store has read it, and the producer waits on ``o_free``
+    before a tile's first V load. No separate O buffer."""
+    import harness
+
+    mod = load_script(script)
+    cfg = mod.default_config(256, causal, "sm_90a")
+    heads = (16, 4) if script == GQA else (16,)
+    args = (4, *heads, 1000, 1000, 256, causal, 256**-0.5, "bfloat16")
+    kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
+    src = kernel.get_kernel_source()
+    q_kv_bytes = 2 * 256 * (cfg["block_M"] + 2 * cfg["num_stages"] * cfg["block_N"])
+    assert harness.dynamic_smem_bytes(kernel) < q_kv_bytes + 2 * 256 * cfg["block_M"]
+    producer_wait = src.index("o_free[0].wait(")
+    assert producer_wait < src.index("tma_load(V_desc")  # the producer comes first
+    ring_read = src.index(f"__sync_thread_partial({mod.O_STAGE}, 256)")
+    stage = src.index("ptx_stmatrix", ring_read)
+    store_wait = src.index("tma_store_wait<0, true>()", stage)
+    assert src.index("o_free[0].arrive()", ring_read) > store_wait
+
+
 def _grid_size(tir) -> int:
     return int(re.search(r'thread_binding\((\d+), thread="blockIdx.x"\)', tir.script()).group(1))
 
@@ -459,6 +484,12 @@ def _gpu_cases():
         (GQA, 3, 1400, 1400, 9, 3, 128, True, f16, 1),
         (BSHD, 2, 1000, 1000, 40, 40, 64, False, f16, 1),
         (BSHD, 2, 1000, 1000, 40, 40, 256, True, f16, 1),
+        # D=256 stages O in V's ring: many tiles a thread block, each tile's V load waits for
+        # the last one's store; whole tiles then parts; ragged rows at large logits
+        (BHSD, 2, 1000, 1000, 40, 40, 256, False, bf16, 1),
+        (GQA, 2, 1000, 1000, 32, 8, 256, True, bf16, 1),
+        (BSHD, 2, 777, 777, 16, 16, 256, False, bf16, 1),
+        (BSHD, 1, 4100, 4100, 8, 8, 256, False, f16, 10),
         (BHSD, 2, 700, 1000, 24, 24, 128, True, f16, 1),
         (GQA, 2, 1000, 1000, 32, 4, 64, True, bf16, 1),
     ]

@@ -25,7 +25,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   over its key blocks, one a thread block, and a second kernel (``flashattn_fwd_combine``)
   merges a row's parts by their log-sum-exp;
 - a tile's key blocks in two loops, those no query of the tile can mask out first, then those
-  on the causal diagonal or past Sk, so that neither loop branches on the mask.
+  on the causal diagonal or past Sk, so that neither loop branches on the mask;
+- the output leaves through shared memory and one TMA store; at D=256, where Q and the K/V ring
+  fill shared memory, it is staged in V's ring, whose next load waits for the store to have
+  read it (an mbarrier the consumers arrive on after the store).
 
 Causal masking is aligned bottom-right (as FlashAttention ≥ 2.1): query ``i`` sees key ``j`` when
 ``j <= i + Sk - Sq``. A query row that sees no key at all gives ``O = 0`` and ``lse = +inf``.
@@ -66,10 +69,16 @@ PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
     # The kernel splits producer and consumers itself (below); no automatic warp specialization.
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    # Every shared-memory sync is written in the kernel (the two of the epilogue; mbarriers do
+    # the rest). Left to TileLang 0.1.15's ThreadSync pass, the D=256 epilogue, which stages O
+    # in V's ring, fails to build on some grids ("a divergent region with 23 participating
+    # threads" at B1 H33 S640 causal).
+    tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
 }
 HEAD_DIMS = (64, 128, 256)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
+O_STAGE = 8  # named barrier of the consumer warpgroups around the output's staging
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -187,10 +196,13 @@ def flashattn_fwd(
     # (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three, 112 for four.
     regs = 65536 // (consumers + 128) // 8 * 8 * (consumers + 128)
     consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
-    # O leaves through shared memory and one TMA store when Q, the K/V ring and O all fit in the
-    # 227 KiB an SM gives a block (D ≤ 128); otherwise (D=256) straight from registers.
+    # O leaves through shared memory and one TMA store: its own buffer when Q, the K/V ring and
+    # O all fit in the 227 KiB an SM gives a block (D ≤ 128); at D=256 the V ring, when it holds
+    # exactly block_M rows (two stages of 64 keys); otherwise straight from registers, whose
+    # pairs of 16-bit values fill half of each 32-byte sector they write.
     q_kv_bytes = 2 * dim * (block_M + 2 * num_stages * block_N)  # 16-bit elements
     o_via_smem = q_kv_bytes + 2 * dim * block_M <= 227 * 1024
+    o_in_v = not o_via_smem and num_stages * block_N == block_M
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
@@ -321,7 +333,7 @@ def flashattn_fwd(
     @T.macro
     def load_tile(
         m_blk, by, bz, first, n_blocks, kv_count, tile_count, Q, K, V, Q_shared, K_shared,
-        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty, o_free,
     ):  # fmt: skip
         # Producer: the tile's Q, then K and V of key blocks first … first + n_blocks - 1.
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
@@ -346,6 +358,9 @@ def flashattn_fwd(
                 barrier=k_full[stage],
             )
             T.barrier_arrive(k_full[stage])
+            if o_in_v and k == 0:
+                # The last tile's O is staged in V's ring: its TMA store must have read it.
+                T.mbarrier_wait_parity(o_free, (tile_count & 1) ^ 1)
             T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
             T.tma_copy(
                 V[bz, by, key_block * block_N : (key_block + 1) * block_N, :],
@@ -426,6 +441,8 @@ def flashattn_fwd(
             V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             if o_via_smem:
                 O_shared = T.alloc_shared([block_M, dim], dtype)
+            elif o_in_v:
+                O_shared = T.view(V_shared, [block_M, dim])  # the ring's stages, row after row
             acc_s = T.alloc_fragment([block_M, block_N], accum_dtype)
             acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
             acc_o = T.alloc_fragment([block_M, dim], accum_dtype)
@@ -444,6 +461,9 @@ def flashattn_fwd(
             v_full = T.alloc_barrier([128] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
             v_empty = T.alloc_barrier([consumers] * num_stages)
+            # o_in_v: every consumer thread arrives once O's store has read the V ring (the
+            # thread that issued the store after waiting for it).
+            o_free = T.alloc_barrier(consumers) if o_in_v else None
             # Both sides count the key blocks and tiles they have been through, so each knows
             # which stage (g % num_stages) and barrier phase (g // num_stages) comes next.
             kv_count = T.alloc_var("int32")
@@ -472,6 +492,7 @@ def flashattn_fwd(
                         load_tile(
                             m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V, Q_shared,
                             K_shared, V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                            o_free,
                         )  # fmt: skip
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
@@ -481,7 +502,7 @@ def flashattn_fwd(
                         load_tile(
                             m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V,
                             Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
-                            k_empty, v_empty,
+                            k_empty, v_empty, o_free,
                         )  # fmt: skip
             else:
                 # ---------------------------------------------------------- consumer warpgroups
@@ -507,11 +528,17 @@ def flashattn_fwd(
                         # Normalise; rows with no visible key (logsum = 0) give O = 0, lse = +inf.
                         for i, j in T.Parallel(block_M, dim):
                             acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
-                        if o_via_smem:
+                        if o_via_smem or o_in_v:
+                            # The last tile's store has read O_shared (its issuing thread
+                            # waited for that); in V's ring, both warpgroups' last P V are done.
+                            T.sync_threads(O_STAGE, consumers)
                             T.copy(acc_o, O_shared)
+                            T.sync_threads(O_STAGE, consumers)  # every row is staged
                             T.copy(
                                 O_shared, Output[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :]
                             )
+                            if o_in_v:
+                                T.barrier_arrive(o_free)
                         else:  # guarded stores: rows past Sq are not written
                             T.copy(
                                 acc_o, Output[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :]
@@ -651,8 +678,11 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     query blocks a head had dealt their dear pairs to the same thread blocks every round, and
     with two heads together (``heads_together``) they ran level with 128 rows (357 against 361
     TFLOP/s, B8 H64 bf16, 2026-11-27), so 128 stays. D=256: 64 keys a block, two stages, O
-    stored from registers (Q and the K/V ring fill shared memory): at S=1024, 501 TFLOP/s against
-    386 with one stage and O through shared memory, 426 with 32 keys a block, 451 with 64 rows.
+    staged in the V ring (two stages of 64 keys hold its 128 rows) and stored by TMA: 1.04-1.12x
+    storing it from registers on eight rows (2026-11-27, bf16 and fp16, S=1024-4096, B·S = 16k,
+    H16), where FlashAttention-3's 128x80 tiles (O then from registers) measured 0.96-1.05x the
+    64-key ones. Before the persistent schedule (2026-11-22, S=1024): 501 TFLOP/s against 386
+    with one stage and O in its own buffer, 426 with 32 keys a block, 451 with 64 rows.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
