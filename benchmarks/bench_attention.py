@@ -282,11 +282,11 @@ def render(rows, out, device, date, runs=()):
     """Tables (``<mode>.md``) and plots for the rows' modes; bwd.md holds both backward tables.
     ``runs``: a line for each run the rows come from (``harness.run_line``), under each title."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    made = "".join(f"{line}\n" for line in runs if line)
+    made = "".join(f"{line}\n\n" for line in runs if line)  # a paragraph each
     tables = {}
     for mode in modes:
         title = f"{TITLES[mode]}, TFLOP/s ({device}, {date})\n\n"
-        tables[mode] = title + (f"{made}\n" if made else "") + markdown(rows, mode)
+        tables[mode] = title + made + markdown(rows, mode)
         plot(rows, out / f"{FILES[mode]}.png", mode, TITLES[mode].lower(), device, date)
     if "fwd" in tables:
         (out / "fwd.md").write_text(tables["fwd"])
