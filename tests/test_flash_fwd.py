@@ -317,6 +317,44 @@ def test_split_tiles_build(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_ragged_keys_keep_the_wgmma_pipeline(script):
+    """Sk not a multiple of block_N, without causal, on a grid that also walks tiles in parts
+    (B4 H32 S4000: 4096 tiles, the last 4 in parts): Sk reaches the mask through a warp shuffle,
+    and ptxas keeps the WGMMAs asynchronous. With Sk a constant there, nvcc proved P's last
+    k-slices zero in each whole tile's last block and ptxas serialised every WGMMA (C7511)."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(script)
+    heads = (32, 8) if script == GQA else (32,)
+    cfg = mod.default_config(128, False, "sm_90a", 4000)
+    assert mod.kv_split_plan(4096, 132, 32, False)[2] > 1
+    args = (4, *heads, 4000, 4000, 128, False, 128**-0.5, "bfloat16")
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert re.search(r"__shfl_sync\([^;]*\b4000\b", src)
+    report = ptxas_report(src)
+    assert "Potential Performance Loss" not in report, report
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_ragged_keys_without_parts_keep_sk_constant():
+    """Without parts (B2 H32 S3000: 1536 tiles, no split) Sk stays a constant, so nvcc skips the
+    exponentials of the last block's masked columns, and the WGMMAs stay asynchronous."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(BSHD)
+    cfg = mod.default_config(128, False, "sm_90a", 3000)
+    assert mod.kv_split_plan(1536, 132, 24, False)[2] == 1
+    args = (2, 32, 3000, 3000, 128, False, 128**-0.5, "bfloat16")
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert not re.search(r"__shfl_sync\([^;]*\b3000\b", src)
+    assert "Potential Performance Loss" not in ptxas_report(src)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_odd_count_builds(script):
     """Causal grids of an odd block count build for sm_90a without spills: in pairs of two heads
     (B1 H33 S640: 5 blocks a head, a last head alone: heads_together says so, and the program
@@ -492,6 +530,10 @@ def _gpu_cases():
         (BSHD, 1, 4100, 4100, 8, 8, 256, False, f16, 10),
         (BHSD, 2, 700, 1000, 24, 24, 128, True, f16, 1),
         (GQA, 2, 1000, 1000, 32, 4, 64, True, bf16, 1),
+        # ragged keys without causal, whole tiles then parts: the mask reads Sk through a
+        # shuffle (as in BSHD B3 H45 S1000 above)
+        (BHSD, 1, 1000, 1000, 35, 35, 128, False, f16, 1),
+        (GQA, 1, 1000, 1000, 36, 9, 128, False, bf16, 10),
     ]
     return cases
 

@@ -252,6 +252,16 @@ def flashattn_fwd(
             return T.min(seq_kv // block_N, T.max(0, (m_blk * block_M + offset) // block_N))
         return seq_kv // block_N
 
+    def key_bound():
+        # Sk for the mask. Where keys are ragged, a constant Sk lets nvcc prove whole 16-column
+        # slices of P zero in a masked block whose index is known too (a whole tile's last
+        # block without causal), and skip their exponentials; but in a kernel that also walks
+        # tiles in parts, ptxas then serialises every WGMMA of the kernel (warning C7511).
+        # There Sk is read through a warp shuffle, which makes it no constant to either.
+        if seq_kv % block_N == 0 or kv_splits == 1:
+            return seq_kv
+        return T.alloc_var("int32", init=T.shfl_sync(T.int32(seq_kv), 0))
+
     @T.macro
     def online_softmax(
         k, m_blk, masked, acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
@@ -259,9 +269,10 @@ def flashattn_fwd(
         # acc_s holds S = Q Kᵀ of key block k: mask it (``masked``), fold it into the running
         # row max and row sum, and turn it into P = exp2(S·scale - max·scale).
         if masked:
+            kv_end = key_bound()
             for i, j in T.Parallel(block_M, block_N):
                 key = k * block_N + j
-                visible = key < seq_kv
+                visible = key < kv_end
                 if causal:
                     visible = visible and key <= m_blk * block_M + i + offset
                 acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
