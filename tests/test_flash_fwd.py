@@ -338,6 +338,32 @@ def test_ragged_keys_keep_the_wgmma_pipeline(script):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_long_keys_take_160_key_blocks(script):
+    """D=128 without causal and Sk >= 8192: 128x160 tiles (default_config); O keeps its own
+    shared-memory buffer and TMA store, and ptxas keeps the WGMMAs asynchronous, no spills."""
+    from test_flash_bwd_fast import SMEM_LIMIT, ptxas_report
+
+    import harness
+
+    mod = load_script(script)
+    assert mod.default_config(128, False, "sm_90a", 8192)["block_N"] == 160
+    assert mod.default_config(128, False, "sm_90a", 4096)["block_N"] == 128
+    assert mod.default_config(128, True, "sm_90a", 16384)["block_N"] == 128
+    assert mod.default_config(64, False, "sm_90a", 16384)["block_N"] == 128
+    cfg = mod.default_config(128, False, "sm_90a", 8192)
+    heads = (32, 8) if script == GQA else (32,)
+    args = (2, *heads, 8192, 8192, 128, False, 128**-0.5, "bfloat16")
+    kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
+    src = kernel.get_kernel_source()
+    assert "tma_store" in src
+    report = ptxas_report(src)
+    assert "Potential Performance Loss" not in report, report
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
+
+
 def test_ragged_keys_without_parts_keep_sk_constant():
     """Without parts (B2 H32 S3000: 1536 tiles, no split) Sk stays a constant, so nvcc skips the
     exponentials of the last block's masked columns, and the WGMMAs stay asynchronous."""
@@ -534,6 +560,10 @@ def _gpu_cases():
         # shuffle (as in BSHD B3 H45 S1000 above)
         (BHSD, 1, 1000, 1000, 35, 35, 128, False, f16, 1),
         (GQA, 1, 1000, 1000, 36, 9, 128, False, bf16, 10),
+        # without causal, Sk >= 8192 takes 160 keys a block at D=128 (a ragged last block too)
+        (BSHD, 1, 1000, 8200, 4, 4, 128, False, f16, 1),
+        (BHSD, 1, 700, 8192, 4, 4, 128, False, bf16, 10),
+        (GQA, 1, 500, 9000, 8, 2, 128, False, bf16, 1),
     ]
     return cases
 

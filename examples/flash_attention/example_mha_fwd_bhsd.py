@@ -682,7 +682,11 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     """Tile configuration for a (head dim, causal, arch, key length ``seq_len``), from
     measurements on an H100 (2026-11-22, 16k tokens a batch, fp16, this persistent kernel).
 
-    D=128: 128×128 tiles (two consumer warpgroups), two K/V stages. D=64: 192-row tiles (three
+    D=128: 128×128 tiles (two consumer warpgroups), two K/V stages; without causal and with
+    Sk ≥ 8192, 160 keys a block (O still fits its own shared-memory buffer): 1.02-1.05x the
+    128-key blocks at S=8192-16384 in two runs (2026-11-27, bf16 and fp16, B·S = 16k, H32),
+    0.98-1.00x at S=4096, 0.96-1.01x at S ≤ 2048, 0.99-1.02x causal (BHSD and GQA at S ≥ 8192:
+    1.01-1.07x). D=64: 192-row tiles (three
     consumer warpgroups at 160 registers), except causal with Sk ≤ 2048, where 128-row tiles
     were much faster (S=1024: 0.99x vs 0.83x cuDNN; S=2048: 0.92-0.97x vs 0.73-0.79x); from
     S=4096 on the 192-row tiles win (1.00x vs 0.92x); at causal S=2048 the 192-row tiles' 11
@@ -705,7 +709,8 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
             return dict(block_M=128, block_N=128, num_stages=2)
         return dict(block_M=192, block_N=128, num_stages=2)
     if dim <= 128:
-        return dict(block_M=128, block_N=128, num_stages=2)
+        wide = dim == 128 and not causal and seq_len is not None and seq_len >= 8192
+        return dict(block_M=128, block_N=160 if wide else 128, num_stages=2)
     return dict(block_M=128, block_N=64, num_stages=2)
 
 
