@@ -113,6 +113,15 @@ for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's 
     # with 33 heads a last head is left alone (tile_of); 165 tiles, more than the SMs
     q3, k3, v3 = (torch.randn(1, 640, 33, D, generator=g, device="cuda") for _ in range(3))
     out3 = dense.attention(*(t.to(torch.bfloat16) for t in (q3, k3, v3)), causal=True)
+    outs = [out, out2, out3]
+    if D == 128:
+        # ragged keys in whole tiles then parts (144 tiles: Sk reaches the mask by a shuffle),
+        # and 160 keys a block (no causal, Sk >= 8192), 4 tiles in parts
+        q4, k4, v4 = (torch.randn(1, 1000, 18, D, generator=g, device="cuda") for _ in range(3))
+        outs.append(dense.attention(*(t.to(torch.bfloat16) for t in (q4, k4, v4))))
+        q5 = torch.randn(1, 17, 4, D, generator=g, device="cuda").to(torch.bfloat16)
+        k5, v5 = (torch.randn(1, 8200, 4, D, generator=g, device="cuda") for _ in range(2))
+        outs.append(dense.attention(q5, *(t.to(torch.bfloat16) for t in (k5, v5))))
     torch.cuda.synchronize()
-    finite = all(bool(torch.isfinite(t).all()) for t in (out, out2, out3))
+    finite = all(bool(torch.isfinite(t).all()) for t in outs)
     print(f"forward in parts, and causal pairs of an odd block count, D{D}: finite", finite)
