@@ -729,12 +729,15 @@ def tune_configs(dim):
             dict(block_M=128, block_N=bn, num_stages=st) for bn, st in ((64, 1), (64, 2), (80, 2))
         ]
     rows = (64, 128, 192) if dim <= 64 else (64, 128)
-    return [
+    space = [
         dict(block_M=bm, block_N=bn, num_stages=st)
         for bm in rows
         for bn in (64, 128)
         for st in (1, 2)
     ]
+    if dim == 128:  # the long-key default (O still in its own shared-memory buffer)
+        space.append(dict(block_M=128, block_N=160, num_stages=2))
+    return space
 
 
 # ----------------------------------------------------------------------------- torch-facing
