@@ -679,28 +679,14 @@ def flashattn_fwd_combine(
 
 
 def default_config(dim, causal, arch="sm_90a", seq_len=None):
-    """Tile configuration for a (head dim, causal, arch, key length ``seq_len``), from
-    measurements on an H100 (2026-11-22, 16k tokens a batch, fp16, this persistent kernel).
+    """Tile configuration for a (head dim, causal, arch, key length ``seq_len``): the choices
+    of example_mha_fwd_bshd.py's ``default_config``, whose docstring gives the measurements
+    behind them (H100; this layout measured alike where it was timed).
 
     D=128: 128×128 tiles (two consumer warpgroups), two K/V stages; without causal and with
-    Sk ≥ 8192, 160 keys a block (O still fits its own shared-memory buffer): 1.02-1.05x the
-    128-key blocks at S=8192-16384 in two runs (2026-11-27, bf16 and fp16, B·S = 16k, H32; BHSD
-    and GQA 1.01-1.07x), 0.98-1.00x at S=4096, 0.96-1.01x at S ≤ 2048, 0.99-1.02x causal.
-
-    D=64: 192-row tiles (three consumer warpgroups at 160 registers), except causal with Sk ≤
-    2048, where 128-row tiles were much faster (S=1024: 0.99x vs 0.83x cuDNN; S=2048: 0.92-0.97x
-    vs 0.73-0.79x); from S=4096 on the 192-row tiles win (1.00x vs 0.92x); at causal S=2048 the
-    192-row tiles' 11 query blocks a head had dealt their dear pairs to the same thread blocks
-    every round, and with two heads together (``heads_together``) they ran level with 128 rows
-    (357 against 361 TFLOP/s, B8 H64 bf16, 2026-11-27), so 128 stays.
-
-    D=256: 64 keys a block, two stages, O staged in the V ring (two stages of 64 keys hold its
-    128 rows) and stored by TMA: 1.04-1.12x storing it from registers on eight rows (2026-11-27,
-    bf16 and fp16, S=1024-4096, B·S = 16k, H16), where FlashAttention-3's 128x80 tiles (O then
-    from registers) measured 0.96-1.05x the 64-key ones, and 0.95-1.03x with O staged in the
-    first 128 rows of their 160-row V ring (stored without TMA). Before the persistent schedule
-    (2026-11-22, S=1024): 501 TFLOP/s against 386 with one stage and O in its own buffer, 426
-    with 32 keys a block, 451 with 64 rows.
+    Sk ≥ 8192, 160 keys a block. D=64: 192-row tiles (three consumer warpgroups at 160
+    registers), except causal with Sk ≤ 2048 (128 rows). D=256: 64 keys a block, two stages, O
+    staged in the V ring and stored by TMA.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
