@@ -113,7 +113,11 @@ for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's 
     # with 33 heads a last head is left alone (tile_of); 165 tiles, more than the SMs
     q3, k3, v3 = (torch.randn(1, 640, 33, D, generator=g, device="cuda") for _ in range(3))
     out3 = dense.attention(*(t.to(torch.bfloat16) for t in (q3, k3, v3)), causal=True)
-    outs = [out, out2, out3]
+    # ragged keys, 480 tiles: three or four a thread block, each after the first started under
+    # the last P V of the one before (Q in two slots, up to D=128)
+    q6, k6, v6 = (torch.randn(2, 700, 40, D, generator=g, device="cuda") for _ in range(3))
+    out6 = dense.attention(*(t.to(torch.bfloat16) for t in (q6, k6, v6)))
+    outs = [out, out2, out3, out6]
     if D == 128:
         # ragged keys in whole tiles then parts (144 tiles: Sk reaches the mask by a shuffle),
         # and 160 keys a block (no causal, Sk >= 8192), 4 tiles in parts

@@ -364,6 +364,35 @@ def test_long_keys_take_160_key_blocks(script):
     assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("dim, causal", [(128, True), (64, False)])
+def test_short_tiles_start_under_the_last_pv(script, dim, causal):
+    """With few key blocks a tile (Sk 1024), Q has two shared-memory slots and the next tile's
+    first Q Kᵀ is issued under this tile's last P V: one more WGMMA wait that leaves a GEMM in
+    flight than with long tiles (Sk 4096, one slot, every tile started on its own); both build
+    without spills or serialised WGMMAs."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(script)
+    heads = (32, 8) if script == GQA else (32,)
+    built = {}
+    for S in (1024, 4096):
+        cfg = mod.default_config(dim, causal, "sm_90a", S)
+        args = (16384 // S, *heads, S, S, dim, causal, dim**-0.5, "bfloat16")
+        kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
+        src = kernel.get_kernel_source()
+        report = ptxas_report(src)
+        assert "Potential Performance Loss" not in report, report
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        q_bytes = 2 * dim * cfg["block_M"]
+        built[S] = (src.count("wait_wgmma<1>"), harness.dynamic_smem_bytes(kernel), q_bytes)
+    (short_waits, short_smem, q_bytes), (long_waits, long_smem, _) = built[1024], built[4096]
+    assert short_waits == long_waits + 1
+    assert short_smem == long_smem + q_bytes
+
+
 def test_ragged_keys_without_parts_keep_sk_constant():
     """Without parts (B2 H32 S3000: 1536 tiles, no split) Sk stays a constant, so nvcc skips the
     exponentials of the last block's masked columns, and the WGMMAs stay asynchronous."""

@@ -13,7 +13,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   warpgroups are consumers, 64 query rows each, running WGMMA and the softmax with many;
 - mbarriers ("full" / "empty" per buffer) are the only handshake between them;
 - intra-warpgroup overlap: a consumer issues S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back as
-  asynchronous WGMMA and runs the softmax of block k while the second one still runs;
+  asynchronous WGMMA and runs the softmax of block k while the second one still runs; where
+  tiles are short (``CROSS_TILE_BLOCKS``), across tiles as well: Q has two shared-memory
+  slots, and the next tile's first S = Q Kᵀ is issued and its softmax run under this tile's
+  last P V (``next_tile_under_last_pv``);
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
   under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
   causal tiles go in pairs of equal cost, a head's heaviest query block with its lightest (with
@@ -83,6 +86,7 @@ O_STAGE = 8  # named barrier of the consumer warpgroups around the output's stag
 # ----------------------------------------------------------------------------- kernel
 MIN_PART_BLOCKS = 4  # key blocks a part walks at least (its Q load and epilogue are fixed costs)
 PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
+CROSS_TILE_BLOCKS = 16  # key blocks a tile has at most for Q's two slots (flashattn_fwd)
 
 
 def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
@@ -202,6 +206,15 @@ def flashattn_fwd(
     q_kv_bytes = 2 * dim * (block_M + 2 * num_stages * block_N)  # 16-bit elements
     o_via_smem = q_kv_bytes + 2 * dim * block_M <= 227 * 1024
     o_in_v = not o_via_smem and num_stages * block_N == block_M
+    # Short tiles (few key blocks) in a row: Q in two slots, so that the next tile's Q loads
+    # while this tile runs and its first Q Kᵀ is issued under this tile's last P V
+    # (``next_tile_under_last_pv``); where it fits beside O's buffer, and only for short key
+    # ranges: with longer ones the tile boundary is rare and the second slot cost more than it
+    # saved (``default_config``).
+    n_kv_blocks = (seq_kv + block_N - 1) // block_N
+    q_bytes = 2 * dim * block_M
+    fits = q_kv_bytes + 2 * q_bytes <= 227 * 1024
+    q_slots = 2 if o_via_smem and fits and n_kv_blocks <= CROSS_TILE_BLOCKS else 1
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
@@ -217,9 +230,7 @@ def flashattn_fwd(
     # round-robin as whole tiles; each of the others is walked as ``kv_splits`` parts, one a
     # thread block, each over its share of the key blocks, leaving its normalised output and
     # lse in float32 (``O_part``, ``lse_part``) for ``flashattn_fwd_combine``.
-    whole_tiles, split_tiles, kv_splits = kv_split_plan(
-        num_tiles, num_sms, (seq_kv + block_N - 1) // block_N, causal
-    )
+    whole_tiles, split_tiles, kv_splits = kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal)
     n_parts = split_tiles * kv_splits
     num_units = (whole_tiles + tiles_per_unit - 1) // tiles_per_unit
     grid = min(num_sms, max(num_units, n_parts))
@@ -291,7 +302,7 @@ def flashattn_fwd(
 
     @T.macro
     def key_block_step(
-        k, g, m_blk, masked, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+        k, g, m_blk, masked, q, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
         acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
     ):  # fmt: skip
         # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
@@ -302,7 +313,7 @@ def flashattn_fwd(
         prev = (g - 1) % num_stages
         T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
         T.wgmma_gemm(
-            Q_shared,
+            Q_shared[q, :, :],
             K_shared[stage, :, :],
             acc_s,
             transpose_B=True,
@@ -348,14 +359,15 @@ def flashattn_fwd(
         # Producer: the tile's Q, then K and V of key blocks first … first + n_blocks - 1.
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # wait on an "empty" barrier (parity 1) passes at once.
-        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
+        q = tile_count % q_slots
+        T.mbarrier_wait_parity(q_empty[q], (tile_count // q_slots & 1) ^ 1)
         # Rows past Sq read as zeros (TMA fills out-of-bounds), never stored.
         T.tma_copy(
             Q[bz, m_blk * block_M : (m_blk + 1) * block_M, by, :],
-            Q_shared,
-            barrier=q_full,
+            Q_shared[q, :, :],
+            barrier=q_full[q],
         )
-        T.barrier_arrive(q_full)
+        T.barrier_arrive(q_full[q])
         for k in T.serial(n_blocks):
             g = kv_count + k
             stage = g % num_stages
@@ -380,25 +392,21 @@ def flashattn_fwd(
             T.barrier_arrive(v_full[stage])
 
     @T.macro
-    def compute_tile(
-        m_blk, first, split, end, first_is_masked, kv_count, tile_count, Q_shared, K_shared,
-        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
-        scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+    def start_tile(
+        m_blk, first, first_is_masked, kv_count, tile_count, Q_shared, K_shared, q_full, k_full,
+        k_empty, acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum,
+        logsum,
     ):  # fmt: skip
-        # Consumers: key blocks first … end - 1 of a tile into acc_o (not yet normalised),
-        # logsum and scores_max; the first one takes the mask if ``first_is_masked``, the
-        # others from ``split`` on: a constant, or a one-element local buffer (read in the
-        # loop bounds themselves; see the kernel's ``split``).
+        # A tile's first key block on its own: S = Q Kᵀ, its softmax; P waits in registers.
         T.fill(acc_o, 0)
         T.fill(logsum, 0)
         T.fill(scores_max, neg_inf)
-        T.mbarrier_wait_parity(q_full, tile_count & 1)
-
-        # The first key block: S = Q Kᵀ, its softmax; P waits in registers.
+        q = tile_count % q_slots
+        T.mbarrier_wait_parity(q_full[q], tile_count // q_slots & 1)
         stage = kv_count % num_stages
         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
         T.wgmma_gemm(
-            Q_shared,
+            Q_shared[q, :, :],
             K_shared[stage, :, :],
             acc_s,
             transpose_B=True,
@@ -413,25 +421,37 @@ def flashattn_fwd(
         )  # fmt: skip
         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-        # The others in two loops, so that neither branches on the mask inside. Without causal
-        # a whole tile's bounds are constants, and aligned keys need no masked loop.
+    @T.macro
+    def key_loops(
+        m_blk, first, split, end, kv_count, tile_count, Q_shared, K_shared, V_shared, q_empty,
+        k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+        scores_max_prev, scores_scale, scores_sum, logsum,
+    ):  # fmt: skip
+        # Consumers: key blocks first + 1 … end - 1 of a tile, after its first; those from
+        # ``split`` on take the mask: a constant, or a one-element local buffer (read in the
+        # loop bounds themselves; see the kernel's ``split``). Two loops, so that neither
+        # branches on the mask inside. Without causal a whole tile's bounds are constants, and
+        # aligned keys need no masked loop.
+        q = tile_count % q_slots
         for k in T.serial(first + 1, split if isinstance(split, int) else split[0]):
             key_block_step(
-                k, kv_count + k - first, m_blk, False, Q_shared, K_shared, V_shared, k_full,
+                k, kv_count + k - first, m_blk, False, q, Q_shared, K_shared, V_shared, k_full,
                 v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
                 scores_max_prev, scores_scale, scores_sum, logsum,
             )  # fmt: skip
         if not isinstance(split, int) or split < end:  # a run-time bound, or blocks left
             for k in T.serial(split if isinstance(split, int) else split[0], end):
                 key_block_step(
-                    k, kv_count + k - first, m_blk, True, Q_shared, K_shared, V_shared, k_full,
-                    v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
+                    k, kv_count + k - first, m_blk, True, q, Q_shared, K_shared, V_shared,
+                    k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
                     scores_max_prev, scores_scale, scores_sum, logsum,
                 )  # fmt: skip
-        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
-        T.barrier_arrive(q_empty)
+        # Every Q Kᵀ of this tile is done: the producer may load a later tile's Q here.
+        T.barrier_arrive(q_empty[q])
 
-        g = kv_count + end - first - 1
+    @T.macro
+    def last_pv(g, V_shared, v_full, v_empty, acc_s_cast, acc_o):
+        # The tile's last P V on its own (g: its key block's place in the K/V stream).
         stage = g % num_stages
         T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
         T.wgmma_gemm(
@@ -444,9 +464,52 @@ def flashattn_fwd(
         T.barrier_arrive(v_empty[stage])
 
     @T.macro
+    def next_tile_under_last_pv(
+        m_next, g, next_count, Q_shared, K_shared, V_shared, q_full, k_full, v_full, k_empty,
+        v_empty, acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+        scores_sum, logsum,
+    ):  # fmt: skip
+        # Across tiles, as across key blocks: the next tile's first S = Q K(0)ᵀ is issued, then
+        # this tile's last P V (g: its key block's place in the K/V stream), and the next
+        # tile's first softmax runs while P V still occupies the tensor cores. The next tile's
+        # Q is already in its slot. The row statistics start afresh (this tile's lse is out and
+        # its row sums kept).
+        q = next_count % q_slots
+        stage, stage_next = g % num_stages, (g + 1) % num_stages
+        T.fill(logsum, 0)
+        T.fill(scores_max, neg_inf)
+        T.mbarrier_wait_parity(q_full[q], next_count // q_slots & 1)
+        T.mbarrier_wait_parity(k_full[stage_next], ((g + 1) // num_stages) & 1)
+        T.wgmma_gemm(
+            Q_shared[q, :, :],
+            K_shared[stage_next, :, :],
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+        T.wgmma_gemm(
+            acc_s_cast,
+            V_shared[stage, :, :],
+            acc_o,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        T.wait_wgmma(1)  # S is ready; P V may still run
+        T.barrier_arrive(k_empty[stage_next])
+        online_softmax(
+            0, m_next, first_masked_block(m_next) == 0, acc_s, scores_max, scores_max_prev,
+            scores_scale, scores_sum, logsum,
+        )  # fmt: skip
+        T.wait_wgmma(0)
+        T.barrier_arrive(v_empty[stage])
+        # P in 16 bits now, so that S's registers are free again for this tile's epilogue.
+        T.copy(acc_s, acc_s_cast)
+
+    @T.macro
     def kernel_body(Q, K, V, Output, lse, O_part, lse_part):
         with T.Kernel(grid, threads=consumers + 128) as cta:
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            Q_shared = T.alloc_shared([q_slots, block_M, dim], dtype)
             K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             if o_via_smem:
@@ -461,12 +524,13 @@ def flashattn_fwd(
             scores_scale = T.alloc_fragment([block_M], accum_dtype)
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
+            row_sum = T.alloc_fragment([block_M], accum_dtype)  # a finished tile's, for its O
 
             # mbarriers between producer and consumers. "full": the producer's 128 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier(128)
-            q_empty = T.alloc_barrier(consumers)
+            q_full = T.alloc_barrier([128] * q_slots)
+            q_empty = T.alloc_barrier([consumers] * q_slots)
             k_full = T.alloc_barrier([128] * num_stages)
             v_full = T.alloc_barrier([128] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
@@ -517,6 +581,15 @@ def flashattn_fwd(
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
+                if q_slots > 1 and n_iter > 0 and tile_index(cta, 0) < whole_tiles:
+                    # The first tile's first key block on its own; every later tile's starts
+                    # under the tile before it (``next_tile_under_last_pv``).
+                    m_first = tile_coords(tile_index(cta, 0))[0]
+                    start_tile(
+                        m_first, 0, first_masked_block(m_first) == 0, kv_count, tile_count,
+                        Q_shared, K_shared, q_full, k_full, k_empty, acc_s, acc_s_cast, acc_o,
+                        scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                    )  # fmt: skip
                 for it in T.serial(n_iter):
                     t = tile_index(cta, it)
                     if t < whole_tiles:
@@ -528,16 +601,45 @@ def flashattn_fwd(
                             split[0] = T.max(1, T.min(first_masked, n_blocks))
                         else:
                             split = max(1, min(first_masked, n_blocks))
-                        compute_tile(
-                            m_blk, 0, split, n_blocks, first_masked == 0, kv_count, tile_count,
-                            Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
-                            k_empty, v_empty, acc_s, acc_s_cast, acc_o, scores_max,
-                            scores_max_prev, scores_scale, scores_sum, logsum,
+                        if q_slots == 1:  # one Q slot: every tile starts on its own
+                            start_tile(
+                                m_blk, 0, first_masked == 0, kv_count, tile_count, Q_shared,
+                                K_shared, q_full, k_full, k_empty, acc_s, acc_s_cast, acc_o,
+                                scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                            )  # fmt: skip
+                        key_loops(
+                            m_blk, 0, split, n_blocks, kv_count, tile_count, Q_shared, K_shared,
+                            V_shared, q_empty, k_full, v_full, k_empty, v_empty, acc_s,
+                            acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+                            scores_sum, logsum,
                         )  # fmt: skip
+                        # The tile's row statistics are final: its lse leaves now, its row
+                        # sums wait for O.
+                        for i in T.Parallel(block_M):
+                            row_sum[i] = logsum[i]
+                            if m_blk * block_M + i < seq_q:
+                                lse[bz, by, m_blk * block_M + i] = T.if_then_else(
+                                    logsum[i] > 0,
+                                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
+                                    T.infinity(accum_dtype),
+                                )
+                        g = kv_count + n_blocks - 1  # the last key block's place in the stream
+                        t_next = tile_index(cta, it + 1)
+                        if q_slots > 1 and it + 1 < n_iter and t_next < whole_tiles:
+                            next_tile_under_last_pv(
+                                tile_coords(t_next)[0], g, tile_count + 1, Q_shared, K_shared,
+                                V_shared, q_full, k_full, v_full, k_empty, v_empty, acc_s,
+                                acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+                                scores_sum, logsum,
+                            )  # fmt: skip
+                        else:
+                            last_pv(g, V_shared, v_full, v_empty, acc_s_cast, acc_o)
 
-                        # Normalise; rows with no visible key (logsum = 0) give O = 0, lse = +inf.
+                        # Normalise; rows with no visible key (row sum 0) give O = 0.
                         for i, j in T.Parallel(block_M, dim):
-                            acc_o[i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+                            acc_o[i, j] = T.if_then_else(
+                                row_sum[i] > 0, acc_o[i, j] / row_sum[i], 0
+                            )
                         if o_via_smem or o_in_v:
                             # The last tile's store has read O_shared (its issuing thread
                             # waited for that); in V's ring, both warpgroups' last P V are done.
@@ -553,13 +655,8 @@ def flashattn_fwd(
                             T.copy(
                                 acc_o, Output[bz, m_blk * block_M : (m_blk + 1) * block_M, by, :]
                             )
-                        for i in T.Parallel(block_M):
-                            if m_blk * block_M + i < seq_q:
-                                lse[bz, by, m_blk * block_M + i] = T.if_then_else(
-                                    logsum[i] > 0,
-                                    (T.log2(logsum[i]) + scores_max[i] * scale) / LOG2E,
-                                    T.infinity(accum_dtype),
-                                )
+                        if q_slots > 1:
+                            T.fill(acc_o, 0)  # the next tile's P V accumulates from zero
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
                 if kv_splits > 1 and cta < n_parts:
@@ -572,11 +669,20 @@ def flashattn_fwd(
                     if part_blocks > 0:
                         first_masked = first_masked_block(m_blk)
                         part_split[0] = T.max(first + 1, T.min(first_masked, first + part_blocks))
-                        compute_tile(
-                            m_blk, first, part_split, first + part_blocks, first_masked <= first,
-                            kv_count, tile_count, Q_shared, K_shared, V_shared, q_full, q_empty,
-                            k_full, v_full, k_empty, v_empty, acc_s, acc_s_cast, acc_o,
+                        start_tile(
+                            m_blk, first, first_masked <= first, kv_count, tile_count, Q_shared,
+                            K_shared, q_full, k_full, k_empty, acc_s, acc_s_cast, acc_o,
                             scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                        )  # fmt: skip
+                        key_loops(
+                            m_blk, first, part_split, first + part_blocks, kv_count, tile_count,
+                            Q_shared, K_shared, V_shared, q_empty, k_full, v_full, k_empty,
+                            v_empty, acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev,
+                            scores_scale, scores_sum, logsum,
+                        )  # fmt: skip
+                        last_pv(
+                            kv_count + part_blocks - 1, V_shared, v_full, v_empty, acc_s_cast,
+                            acc_o,
                         )  # fmt: skip
                     for i, j in T.Parallel(block_M, dim):
                         O_part[cta, i, j] = T.if_then_else(
@@ -693,6 +799,12 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     every round, and with two heads together (``heads_together``) they ran level with 128 rows
     (357 against 361 TFLOP/s, B8 H64 bf16, 2026-11-27), so 128 stays.
 
+    Tiles of at most ``CROSS_TILE_BLOCKS`` (16) key blocks, where a second Q slot fits beside
+    O's buffer (not with 160 keys, nor at D=256), start under the last P V of the tile before
+    (2026-11-27, bf16 and fp16, one process, against the kernel before): 0.99-1.07x at S=1024
+    (D128 causal 1.02-1.07x, D64 1.02-1.05x), level at S=2048 (0.99-1.02x); on every grid, the
+    same measured 0.96-1.00x at S=4096 (benchmarks/results/fwd_cross_tile.md).
+
     D=256: 64 keys a block, two stages, O staged in the V ring (two stages of 64 keys hold its
     128 rows) and stored by TMA: 1.04-1.12x storing it from registers on eight rows (2026-11-27,
     bf16 and fp16, S=1024-4096, B·S = 16k, H16), where FlashAttention-3's 128x80 tiles (O then
@@ -708,9 +820,9 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     causal 594 against 591; B16 S1024 549 against 548): the intra-warpgroup overlap already
     keeps the tensor cores busy. Wider D=128 tiles lost: 128x176 (FlashAttention-3's) 574
     against 607 at S4096 and 498 against 548 at S1024; 128x192 567 and 454; 128x160 with
-    ping-pong 603 and 494. Q in two shared-memory slots (the next tile's Q loading while this
-    tile computes; kept in the attention-sink forwards, whose narrow windows make tiles short)
-    measured level or slower here: 584 against 607 TFLOP/s at B4 H32 S4096 D128, 547 against
+    ping-pong 603 and 494. Q in two shared-memory slots alone (the next tile's Q loading while
+    this tile computes; kept in the attention-sink forwards, whose narrow windows make tiles
+    short) measured level or slower here: 584 against 607 TFLOP/s at B4 H32 S4096 D128, 547 against
     542 causal, 572 against 577 at B2 S8192 causal, 429 against 419 at B16 S1024 causal, 423
     against 425 at B8 H64 S4096 D64 causal. Keeping the exponentials ahead of the wait for
     P V (ptxas hoists that wait above them; a completed mbarrier wait after the softmax pins
