@@ -803,7 +803,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     O's buffer (not with 160 keys, nor at D=256), start under the last P V of the tile before
     (2026-11-27, bf16 and fp16, one process, against the kernel before): 0.99-1.07x at S=1024
     (D128 causal 1.02-1.07x, D64 1.02-1.05x), level at S=2048 (0.99-1.02x); on every grid, the
-    same measured 0.96-1.00x at S=4096 (benchmarks/results/fwd_cross_tile.md).
+    same measured 0.96-1.00x at S=4096 (benchmarks/results/fwd_cross_tile.md). With it, the
+    D=64 choices were timed again (2026-11-27): 128 rows 0.97-0.98x at S=1024 and 0.90x at
+    S=2048 without causal, 192 rows 0.82x (S=1024) and 0.97-0.99x (S=2048) causal; at 192 rows
+    three K/V stages 0.97-1.02x and 112-key blocks 0.92-1.01x (144 keys spill).
 
     D=256: 64 keys a block, two stages, O staged in the V ring (two stages of 64 keys hold its
     128 rows) and stored by TMA: 1.04-1.12x storing it from registers on eight rows (2026-11-27,
