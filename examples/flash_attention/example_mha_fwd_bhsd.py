@@ -302,16 +302,10 @@ def flashattn_fwd(
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
 
     @T.macro
-    def key_block_step(
-        k, g, m_blk, masked, q, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
-        acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
-    ):  # fmt: skip
-        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
-        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
-        # P(k-1) V(k-1) still occupies the tensor cores.
-        # g: key block k's place in the stream of K/V stages (kv_count + k)
+    def issue_scores(q, g, Q_shared, K_shared, k_full, acc_s):
+        # S = Q Kᵀ for the key block at place g of the K/V stream (stage g % num_stages, Q in
+        # slot q), issued asynchronously once its K has landed; the caller waits for it.
         stage = g % num_stages
-        prev = (g - 1) % num_stages
         T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
         T.wgmma_gemm(
             Q_shared[q, :, :],
@@ -321,23 +315,35 @@ def flashattn_fwd(
             clear_accum=True,
             policy=T.GemmWarpPolicy.FullRow,
         )
+
+    @T.macro
+    def issue_pv(g, V_shared, v_full, acc_s_cast, acc_o):
+        # O += P V for the key block at place g, issued asynchronously once its V has landed.
+        stage = g % num_stages
+        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+        T.wgmma_gemm(acc_s_cast, V_shared[stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def key_block_step(
+        k, g, m_blk, masked, q, Q_shared, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+        acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+    ):  # fmt: skip
+        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
+        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
+        # P(k-1) V(k-1) still occupies the tensor cores.
+        # g: key block k's place in the stream of K/V stages (kv_count + k)
+        issue_scores(q, g, Q_shared, K_shared, k_full, acc_s)
         # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
         # landed load's wait costs cycles, idle tensor cores if spent first.
-        T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-        T.wgmma_gemm(
-            acc_s_cast,
-            V_shared[prev, :, :],
-            acc_o,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+        issue_pv(g - 1, V_shared, v_full, acc_s_cast, acc_o)
         T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
-        T.barrier_arrive(k_empty[stage])
+        T.barrier_arrive(k_empty[g % num_stages])
         online_softmax(
             k, m_blk, masked, acc_s, scores_max, scores_max_prev,
             scores_scale, scores_sum, logsum,
         )  # fmt: skip
         T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
-        T.barrier_arrive(v_empty[prev])
+        T.barrier_arrive(v_empty[(g - 1) % num_stages])
         # Rescale what was accumulated under the old row max.
         for i, j in T.Parallel(block_M, dim):
             acc_o[i, j] *= scores_scale[i]
@@ -404,18 +410,9 @@ def flashattn_fwd(
         T.fill(scores_max, neg_inf)
         q = tile_count % q_slots
         T.mbarrier_wait_parity(q_full[q], tile_count // q_slots & 1)
-        stage = kv_count % num_stages
-        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
-        T.wgmma_gemm(
-            Q_shared[q, :, :],
-            K_shared[stage, :, :],
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+        issue_scores(q, kv_count, Q_shared, K_shared, k_full, acc_s)
         T.wait_wgmma(0)
-        T.barrier_arrive(k_empty[stage])
+        T.barrier_arrive(k_empty[kv_count % num_stages])
         online_softmax(
             first, m_blk, first_is_masked, acc_s, scores_max, scores_max_prev,
             scores_scale, scores_sum, logsum,
@@ -453,16 +450,9 @@ def flashattn_fwd(
     @T.macro
     def last_pv(g, V_shared, v_full, v_empty, acc_s_cast, acc_o):
         # The tile's last P V on its own (g: its key block's place in the K/V stream).
-        stage = g % num_stages
-        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
-        T.wgmma_gemm(
-            acc_s_cast,
-            V_shared[stage, :, :],
-            acc_o,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+        issue_pv(g, V_shared, v_full, acc_s_cast, acc_o)
         T.wait_wgmma(0)
-        T.barrier_arrive(v_empty[stage])
+        T.barrier_arrive(v_empty[g % num_stages])
 
     @T.macro
     def next_tile_under_last_pv(
@@ -476,34 +466,19 @@ def flashattn_fwd(
         # Q is already in its slot. The row statistics start afresh (this tile's lse is out and
         # its row sums kept).
         q = next_count % q_slots
-        stage, stage_next = g % num_stages, (g + 1) % num_stages
         T.fill(logsum, 0)
         T.fill(scores_max, neg_inf)
         T.mbarrier_wait_parity(q_full[q], next_count // q_slots & 1)
-        T.mbarrier_wait_parity(k_full[stage_next], ((g + 1) // num_stages) & 1)
-        T.wgmma_gemm(
-            Q_shared[q, :, :],
-            K_shared[stage_next, :, :],
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
-        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
-        T.wgmma_gemm(
-            acc_s_cast,
-            V_shared[stage, :, :],
-            acc_o,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+        issue_scores(q, g + 1, Q_shared, K_shared, k_full, acc_s)
+        issue_pv(g, V_shared, v_full, acc_s_cast, acc_o)
         T.wait_wgmma(1)  # S is ready; P V may still run
-        T.barrier_arrive(k_empty[stage_next])
+        T.barrier_arrive(k_empty[(g + 1) % num_stages])
         online_softmax(
             0, m_next, first_masked_block(m_next) == 0, acc_s, scores_max, scores_max_prev,
             scores_scale, scores_sum, logsum,
         )  # fmt: skip
         T.wait_wgmma(0)
-        T.barrier_arrive(v_empty[stage])
+        T.barrier_arrive(v_empty[g % num_stages])
         # P in 16 bits now, so that S's registers are free again for this tile's epilogue.
         T.copy(acc_s, acc_s_cast)
 
