@@ -781,7 +781,9 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     same measured 0.96-1.00x at S=4096 (benchmarks/results/fwd_cross_tile.md). With it, the
     D=64 choices were timed again (2026-11-27): 128 rows 0.97-0.98x at S=1024 and 0.90x at
     S=2048 without causal, 192 rows 0.82x (S=1024) and 0.97-0.99x (S=2048) causal; at 192 rows
-    three K/V stages 0.97-1.02x and 112-key blocks 0.92-1.01x (144 keys spill).
+    three K/V stages 0.97-1.02x and 112-key blocks 0.92-1.01x (144 keys spill); four consumer
+    warpgroups on 256x64 tiles 1.00-1.02x at S=1024 without causal, 0.94x at S=2048, and
+    0.92-0.98x the 128-row tiles causal.
 
     D=256: 64 keys a block, two stages, O staged in the V ring (two stages of 64 keys hold its
     128 rows) and stored by TMA: 1.04-1.12x storing it from registers on eight rows (2026-11-27,
