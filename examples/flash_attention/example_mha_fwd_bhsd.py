@@ -204,8 +204,9 @@ def flashattn_fwd(
     # O all fit in the 227 KiB an SM gives a block (D ≤ 128); at D=256 the V ring, when it holds
     # exactly block_M rows (two stages of 64 keys); otherwise straight from registers, whose
     # pairs of 16-bit values fill half of each 32-byte sector they write.
-    q_kv_bytes = 2 * dim * (block_M + 2 * num_stages * block_N)  # 16-bit elements
-    o_via_smem = q_kv_bytes + 2 * dim * block_M <= 227 * 1024
+    q_bytes = 2 * dim * block_M  # 16-bit elements; O's tile is as large
+    q_kv_bytes = q_bytes + 2 * dim * 2 * num_stages * block_N
+    o_via_smem = q_kv_bytes + q_bytes <= 227 * 1024
     o_in_v = not o_via_smem and num_stages * block_N == block_M
     # Short tiles (few key blocks) in a row: Q in two slots, so that the next tile's Q loads
     # while this tile runs and its first Q Kᵀ is issued under this tile's last P V
@@ -213,9 +214,8 @@ def flashattn_fwd(
     # ranges: with longer ones the tile boundary is rare and the second slot cost more than it
     # saved (``default_config``).
     n_kv_blocks = (seq_kv + block_N - 1) // block_N
-    q_bytes = 2 * dim * block_M
-    fits = q_kv_bytes + 2 * q_bytes <= 227 * 1024
-    q_slots = 2 if o_via_smem and fits and n_kv_blocks <= CROSS_TILE_BLOCKS else 1
+    fits = q_kv_bytes + 2 * q_bytes <= 227 * 1024  # a second Q slot beside O's buffer
+    q_slots = 2 if fits and n_kv_blocks <= CROSS_TILE_BLOCKS else 1
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
