@@ -1,15 +1,15 @@
 """Small ragged causal forwards + backwards of the hand-scheduled kernels — MHA, GQA
 (example_gqa_bwd.py's group strategy, four query heads a kv head, shared out over four thread
 blocks a key block by the small-grid default; each also with a single key block and Sq > Sk),
-attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, both window
-edges, key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused
-kernel) and packed sequences (example_gqa_bwd_tma_reduce_varlen.py:
-the persistent varlen forward and the packed backward, with a zero-length sequence, Sq ≠ Sk and
-partial blocks), the fast backward with its last wave's walks in parts over the queries
-(non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the
-keys (ragged keys, and a causal grid with fewer tiles than SMs: two parts a tile, merged by the
-combine kernel) or in causal pairs of an odd block count — for compute-sanitizer (not collected
-by pytest). On an H100, from the repository root:
+attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges,
+key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused kernel; and
+its forward on a grid of several tiles a thread block) and packed sequences
+(example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen forward and the packed backward,
+with a zero-length sequence, Sq ≠ Sk and partial blocks), the fast backward with its last wave's
+walks in parts over the queries (non-causal, ragged: tail_split_plan), and the dense forward
+with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
+two parts a tile, merged by the combine kernel) or in causal pairs of an odd block count — for
+compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
@@ -82,6 +82,17 @@ for D in (64, 128) if "sink" in FAMILIES else ():
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
         print(f"sink D{D} Sq{Sq} Sk{Sk} Hkv{Hkv} window {window}: finite", finite)
+    # The forward alone on 480 tiles, three or four a thread block: each after the first starts
+    # under the last P V of the one before (Q in two slots, one thread block an SM)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (
+        torch.randn(2, heads, 700, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        for heads in (40, 8, 8)
+    )
+    sinks = torch.randn(40, generator=g, device="cuda")
+    out = sink.fwd.attention(q, k, v, sinks, (300, 0), True)
+    torch.cuda.synchronize()
+    print(f"sink forward D{D}, 480 tiles: finite", bool(torch.isfinite(out).all()))
 
 varlen = load_script("flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
 lens_q, lens_k = [200, 0, 17, 130], [333, 5, 17, 64]

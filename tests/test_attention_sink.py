@@ -325,9 +325,8 @@ def test_script_contract():
     ]
     assert kernels == ["flash_fwd"]
     macros = re.findall(r"@T\.macro\n    def (\w+)", source)
-    assert {"load_q", "load_kv", "scores", "mask", "softmax", "rescale", "pv", "epilogue"} <= set(
-        macros
-    )
+    phases = {"load_q", "load_kv", "scores", "mask", "softmax", "rescale", "pv", "row_factors"}
+    assert phases | {"store_output", "start_tile", "next_tile_under_last_pv"} <= set(macros)
     tune = mod.build_parser()._option_string_actions["--tune"]
     assert tune.help == mod._harness().TUNE_HELP
 
@@ -460,6 +459,29 @@ def test_narrow_windows_take_two_thread_blocks_an_sm(dim):
 
     static = int(re.search(r"(\d+) bytes smem", ptxas_report(src)).group(1))
     assert 2 * (harness.dynamic_smem_bytes(kernel) + static + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_tiles_start_under_the_last_pv_with_one_thread_block_an_sm(dim):
+    """With Q in two slots and one thread block an SM (window (1024, 0)), the next tile's first
+    Q Kᵀ is issued under this tile's last P V: one more WGMMA wait that leaves a GEMM in flight
+    than the same tiles with one Q slot. Two thread blocks an SM (window (128, 0)) start every
+    tile on its own either way. Every build spills nothing and keeps its WGMMAs asynchronous."""
+    from test_flash_bwd_fast import ptxas_report
+
+    waits = {}
+    for window in ((1024, 0), (128, 0)):
+        build = (dim, 4096, 4096, window, True, True, "bfloat16")
+        cfg = load_script(FWD).default_config(dim, window, "sm_90a", 4096)
+        assert cfg["q_stages"] == 2
+        for q_stages in (1, 2):
+            src = _build(build, **{**cfg, "q_stages": q_stages})[0].get_kernel_source()
+            report = ptxas_report(src)
+            assert "Potential Performance Loss" not in report, report
+            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
+            waits[window, q_stages] = src.count("wait_wgmma<1>")
+    assert waits[(1024, 0), 2] == waits[(1024, 0), 1] + 1
+    assert waits[(128, 0), 2] == waits[(128, 0), 1]
 
 
 def test_two_thread_block_default_falls_back_where_tilelang_rejects_it():

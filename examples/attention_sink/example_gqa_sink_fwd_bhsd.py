@@ -35,15 +35,18 @@ per SM walking a list of tiles):
   as is. With a left edge the key loop runs in three parts (masked, whole, masked), so no block
   decides at run time whether to mask — that decision, in the loop, costs the registers that
   make ptxas spill;
-- the sink is folded into the softmax once, in the epilogue, after the key loop: the final row
-  maximum is ``max(running max, sink)``, and the accumulator and the running sum are rescaled by
-  ``exp(running max − final max) <= 1``, so no exponential ever exceeds 1 (see ``epilogue``);
+- the sink is folded into the softmax once, after the key loop: the final row maximum is
+  ``max(running max, sink)``, and the accumulator and the running sum are rescaled by
+  ``exp(running max − final max) <= 1``, so no exponential ever exceeds 1 (see ``row_factors``);
   the online softmax of the key loop is the dense kernel's, unchanged;
 - Q in two shared-memory slots (``q_stages=2``): a narrow window gives a tile two or three key
   blocks, so the tile's start is a large share of its time. With one slot the producer can load
   the next tile's Q only once this tile's last Q Kᵀ is done, and the next tile's first Q Kᵀ
   waits for that load; with two, the next Q (and its first K/V blocks) load while this tile
-  still computes;
+  still computes. With one thread block an SM the next tile then starts under this one's last
+  P V (``next_tile_under_last_pv``): its first Q Kᵀ is issued before that GEMM and its first
+  softmax runs while it occupies the tensor cores, as key block k's softmax runs under P V of
+  block k−1 inside a tile;
 - two thread blocks an SM for the narrowest windows (``ctas_per_sm=2``, 64-row tiles of 64
   keys, half the register file each: ``__launch_bounds__(256, 2)``, 232 registers a consumer
   thread). A tile there is one or two short key blocks, mostly waiting on its loads and on
@@ -258,6 +261,10 @@ def flashattn_fwd(
     # most 240): 240 for two consumer warpgroups, 160 for three, 232 for one of two thread blocks.
     regs = 65536 // (ctas_per_sm * (consumers + 128)) // 8 * 8 * (consumers + 128)
     consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
+    # With Q in two slots and one thread block an SM, each tile after a thread block's first
+    # starts under the last P V of the one before (``next_tile_under_last_pv``); two thread
+    # blocks an SM already run one's tile edges under the other's GEMMs (``default_config``).
+    cross_tile = q_stages > 1 and ctas_per_sm == 1
 
     # Persistent schedule: one thread block per SM walks a list of tiles (a tile = block_M query
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
@@ -372,7 +379,7 @@ def flashattn_fwd(
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
         # Online softmax: fold the block into the running row max and row sum, and turn the
-        # scores into P = exp2(S·scale − max·scale). The sink is not here: see epilogue.
+        # scores into P = exp2(S·scale − max·scale). The sink is not here: see row_factors.
         T.copy(scores_max, scores_max_prev)
         T.reduce_max(acc_s, scores_max, dim=1, clear=False)
         for i in T.Parallel(block_M):
@@ -418,11 +425,11 @@ def flashattn_fwd(
         T.copy(acc_s, acc_s_cast)
 
     @T.macro
-    def epilogue(
-        acc_o, logsum, scores_max, sink, factor, row_lse, O_shared, Output, lse, m_blk, by, bz
-    ):
-        # The sink joins the softmax here, once per row. In base-2 units (x·log2 e), with
-        # m = the running max over the row's scores, l = Σ exp2(s − m) and a = Σ exp2(s − m) v:
+    def row_factors(logsum, scores_max, sink, factor, lse, m_blk, by, bz):
+        # Once the tile's last softmax has run, its row statistics are final: each row's output
+        # factor goes to ``factor`` and its lse leaves. The sink joins the softmax here, once per
+        # row. In base-2 units (x·log2 e), with m = the running max over the row's scores,
+        # l = Σ exp2(s − m) and a = Σ exp2(s − m) v:
         #     m' = max(m, sink),  l' = l·exp2(m − m') + exp2(sink − m'),  O = a·exp2(m − m') / l'
         # Both exponents are <= 0, so neither term can overflow, whatever the sink (a sink far
         # above the scores makes exp2(m − m') underflow to 0 and O to 0, its limit; a sink of
@@ -437,22 +444,84 @@ def flashattn_fwd(
                 ratio = T.exp2(m - m_sink)
                 total = logsum[i] * ratio + T.exp2(sink2 - m_sink)
                 factor[i] = T.if_then_else(logsum[i] > 0, ratio / total, 0)
-                row_lse[i] = T.if_then_else(
+                row_lse = T.if_then_else(
                     logsum[i] > 0, (T.log2(total) + m_sink) / LOG2E, T.infinity(accum_dtype)
                 )
             else:
                 factor[i] = T.if_then_else(logsum[i] > 0, 1.0 / logsum[i], 0)
-                row_lse[i] = T.if_then_else(
+                row_lse = T.if_then_else(
                     logsum[i] > 0, (T.log2(logsum[i]) + m) / LOG2E, T.infinity(accum_dtype)
                 )
+            if m_blk * block_M + i < seq_q:
+                lse[bz, by, m_blk * block_M + i] = row_lse
+
+    @T.macro
+    def store_output(acc_o, factor, O_shared, Output, m_blk, by, bz):
         for i, j in T.Parallel(block_M, dim):
             acc_o[i, j] *= factor[i]
         # O leaves through shared memory and one TMA store (rows past Sq are clipped).
         T.copy(acc_o, O_shared)
         T.copy(O_shared, Output[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :])
-        for i in T.Parallel(block_M):
-            if m_blk * block_M + i < seq_q:
-                lse[bz, by, m_blk * block_M + i] = row_lse[i]
+
+    @T.macro
+    def first_block_mask(m_blk, acc_s):
+        # A tile's first key block takes the mask when the window is bounded on the left (its
+        # left edge), or when it is the tile's only block before the masked run.
+        n_start, n_blocks = key_range(m_blk)
+        if window_left >= 0:
+            mask(n_start, m_blk, acc_s)
+        else:
+            if mask_runs(m_blk, n_start, n_blocks)[1] == 0:
+                mask(n_start, m_blk, acc_s)
+
+    @T.macro
+    def start_tile(
+        m_blk, kv_count, tile_count, Q_shared, K_shared, q_full, k_full, k_empty, acc_s,
+        acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+    ):  # fmt: skip
+        # A tile's first key block on its own: S = Q Kᵀ, its softmax; P waits in registers.
+        T.fill(acc_o, 0)
+        T.fill(logsum, 0)
+        T.fill(scores_max, neg_inf)
+        q_slot = tile_count % q_stages
+        T.mbarrier_wait_parity(q_full[q_slot], (tile_count // q_stages) & 1)
+        stage = kv_count % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+        scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
+        T.wait_wgmma(0)
+        T.barrier_arrive(k_empty[stage])
+        first_block_mask(m_blk, acc_s)
+        softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
+
+    @T.macro
+    def next_tile_under_last_pv(
+        m_next, g, next_count, Q_shared, K_shared, V_shared, q_full, k_full, v_full, k_empty,
+        v_empty, acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+        scores_sum, logsum,
+    ):  # fmt: skip
+        # Across tiles, as across key blocks: the next tile's first S = Q Kᵀ is issued, then
+        # this tile's last P V (g: its key block's place in the K/V stream), and the next
+        # tile's first softmax runs while P V still occupies the tensor cores. The next tile's
+        # Q is already in its slot; the row statistics start afresh (this tile's lse is out and
+        # its output factors kept).
+        q_slot = next_count % q_stages
+        stage, stage_next = g % num_stages, (g + 1) % num_stages
+        T.fill(logsum, 0)
+        T.fill(scores_max, neg_inf)
+        T.mbarrier_wait_parity(q_full[q_slot], (next_count // q_stages) & 1)
+        T.mbarrier_wait_parity(k_full[stage_next], ((g + 1) // num_stages) & 1)
+        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+        scores(Q_shared[q_slot, :, :], K_shared[stage_next, :, :], acc_s)
+        pv(acc_s_cast, V_shared[stage, :, :], acc_o)
+        T.wait_wgmma(1)  # S is ready; P V may still run
+        T.barrier_arrive(k_empty[stage_next])
+        first_block_mask(m_next, acc_s)
+        softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+        T.wait_wgmma(0)
+        T.barrier_arrive(v_empty[stage])
+        # P in 16 bits now, so that S's registers are free again for this tile's epilogue.
+        T.copy(acc_s, acc_s_cast)
 
     @T.prim_func
     def flash_fwd(
@@ -478,6 +547,7 @@ def flashattn_fwd(
             scores_scale = T.alloc_fragment([block_M], accum_dtype)
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
+            factor = T.alloc_fragment([block_M], accum_dtype)  # a finished tile's, for its O
 
             # mbarriers between producer and consumers. "full": the producer's 128 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
@@ -522,36 +592,29 @@ def flashattn_fwd(
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
+                if cross_tile and n_iter > 0 and tile_index(cta, 0) < num_tiles:
+                    # The first tile's first key block on its own; every later tile's starts
+                    # under the tile before it (next_tile_under_last_pv).
+                    start_tile(
+                        tile_coords(tile_index(cta, 0))[0], kv_count, tile_count, Q_shared,
+                        K_shared, q_full, k_full, k_empty, acc_s, acc_s_cast, acc_o,
+                        scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
+                    )  # fmt: skip
                 for it in T.serial(n_iter):
                     t = tile_index(cta, it)
                     if t < num_tiles:
                         m_blk, by, bz = tile_coords(t)
                         n_start, n_blocks = key_range(m_blk)
                         n_left, n_inner_end = mask_runs(m_blk, n_start, n_blocks)
-                        T.fill(acc_o, 0)
-                        T.fill(logsum, 0)
-                        T.fill(scores_max, neg_inf)
-                        if has_sinks:  # loaded now, used in the epilogue: its latency hides
+                        if has_sinks:  # loaded now, used at the end of the tile: latency hides
                             sink = Sinks[by]
                         q_slot = tile_count % q_stages
-                        T.mbarrier_wait_parity(q_full[q_slot], (tile_count // q_stages) & 1)
-
-                        # First key block of the window: S = Q Kᵀ, its softmax; P waits in
-                        # registers.
-                        stage = kv_count % num_stages
-                        T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
-                        scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(k_empty[stage])
-                        if window_left >= 0:
-                            mask(n_start, m_blk, acc_s)  # the left edge, or a tile of one block
-                        else:
-                            if n_inner_end == 0:
-                                mask(n_start, m_blk, acc_s)
-                        softmax(
-                            acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
-                        )
-                        T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
+                        if not cross_tile:  # every tile starts on its own
+                            start_tile(
+                                m_blk, kv_count, tile_count, Q_shared, K_shared, q_full, k_full,
+                                k_empty, acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev,
+                                scores_scale, scores_sum, logsum,
+                            )  # fmt: skip
 
                         # The other key blocks. A window bounded on the left has two edges: its
                         # blocks go in three runs, left edge (masked), the blocks every row sees
@@ -580,22 +643,29 @@ def flashattn_fwd(
                                     kv_count + k, n_start + k, k >= n_inner_end, m_blk, q_slot,
                                     *step_buffers,
                                 )  # fmt: skip
-                        # Every Q Kᵀ of this tile is done: the producer may load the next Q.
+                        # Every Q Kᵀ of this tile is done: the producer may load a later Q here.
                         T.barrier_arrive(q_empty[q_slot])
+                        row_factors(logsum, scores_max, sink, factor, lse, m_blk, by, bz)
 
                         g = kv_count + n_blocks - 1
-                        stage = g % num_stages
-                        T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
-                        pv(acc_s_cast, V_shared[stage, :, :], acc_o)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(v_empty[stage])
+                        t_next = tile_index(cta, it + 1)
+                        if cross_tile and it + 1 < n_iter and t_next < num_tiles:
+                            next_tile_under_last_pv(
+                                tile_coords(t_next)[0], g, tile_count + 1, Q_shared, K_shared,
+                                V_shared, q_full, k_full, v_full, k_empty, v_empty, acc_s,
+                                acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+                                scores_sum, logsum,
+                            )  # fmt: skip
+                        else:
+                            stage = g % num_stages
+                            T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+                            pv(acc_s_cast, V_shared[stage, :, :], acc_o)
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(v_empty[stage])
 
-                        # scores_scale and scores_sum are free now: they carry each row's
-                        # output factor and lse through the epilogue.
-                        epilogue(
-                            acc_o, logsum, scores_max, sink, scores_scale, scores_sum, O_shared,
-                            Output, lse, m_blk, by, bz,
-                        )  # fmt: skip
+                        store_output(acc_o, factor, O_shared, Output, m_blk, by, bz)
+                        if cross_tile:
+                            T.fill(acc_o, 0)  # the next tile's P V accumulates from zero
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
 
@@ -652,6 +722,15 @@ def single_cta_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
     slots, more K/V stages do not help a narrow window (H100, 2026-11-23, D64 H64/Hkv8, three
     or four stages against two: −2% … +1% at windows 128, 256, 1024 and none, BHSD and varlen),
     and 64-key blocks with four or six stages lose 4–21%.
+
+    With two Q slots and one thread block an SM, each tile after a thread block's first starts
+    under the last P V of the tile before (H100, 2026-11-27, bf16, against each tile started on
+    its own, nine interleaved rounds; outputs and lse bit-identical): window 1024 D128 1.03x,
+    D64 1.02x; no window D128 1.02x, causal D128 1.01x (S1024 and S4096); window 300 D128
+    level; rows whose tiles start as before read 1.00-1.02x in the same run, so the gain is
+    small. Two thread blocks an SM start every tile on their own: there the other thread
+    block's GEMMs already fill a tile's edges, and the cross-tile start measured 0.98-0.99x
+    (windows 128 and 256, D64).
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
