@@ -177,9 +177,10 @@ def _grid_size(tir) -> int:
     ],
 )
 def test_warp_specialized_layout(script, dim, causal, seq_len, threads, consumer_regs):
-    """Producer warpgroup with 24 registers, consumers with what is left of the thread block's
-    launch allocation (at most 240; tests/test_register_split.py), one thread block per SM,
-    shared memory within an SM's 227 KB."""
+    """Producer warpgroup with 24 registers, one warp of it issuing the loads (the "full"
+    mbarriers count its 32 threads), consumers with what is left of the thread block's launch
+    allocation (at most 240; tests/test_register_split.py), one thread block per SM, shared
+    memory within an SM's 227 KB."""
     import harness
 
     mod = load_script(script)
@@ -190,6 +191,9 @@ def test_warp_specialized_layout(script, dim, causal, seq_len, threads, consumer
     src = kernel.get_kernel_source()
     assert f"__launch_bounds__({threads}, 1)" in src
     assert "warpgroup_reg_dealloc<24>" in src
+    assert f"if (((int)threadIdx.x) < {threads - 128 + 32})" in src  # the producer warp
+    for full in ("q_full", "k_full", "v_full"):
+        assert f"{full}[0].init(32);" in src
     assert f"warpgroup_reg_alloc<{consumer_regs}>" in src
     assert (threads - 128) * consumer_regs + 128 * 24 <= 65536 // threads // 8 * 8 * threads
     assert harness.dynamic_smem_bytes(kernel) <= 227 * 1024

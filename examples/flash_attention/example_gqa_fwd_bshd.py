@@ -10,9 +10,10 @@ arrive. It also returns the log-sum-exp ``lse`` of each row, which the backward 
 
 What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand):
 
-- warp specialization: the last warpgroup is the producer, issuing TMA loads of Q and of K and V
-  into a ``num_stages``-deep ring in shared memory with few registers (``setmaxnreg``); the other
-  warpgroups are consumers, 64 query rows each, running WGMMA and the softmax with many;
+- warp specialization: the last warpgroup is the producer, one warp of it issuing TMA loads of Q
+  and of K and V into a ``num_stages``-deep ring in shared memory, with few registers
+  (``setmaxnreg``); the other warpgroups are consumers, 64 query rows each, running WGMMA and
+  the softmax with many;
 - mbarriers ("full" / "empty" per buffer) are the only handshake between them;
 - intra-warpgroup overlap: a consumer issues S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back as
   asynchronous WGMMA and runs the softmax of block k while the second one still runs; where
@@ -507,13 +508,13 @@ def flashattn_fwd(
             logsum = T.alloc_fragment([block_M], accum_dtype)
             row_sum = T.alloc_fragment([block_M], accum_dtype)  # a finished tile's, for its O
 
-            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # mbarriers between producer and consumers. "full": the producer warp's 32 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier([128] * q_slots)
+            q_full = T.alloc_barrier([32] * q_slots)
             q_empty = T.alloc_barrier([consumers] * q_slots)
-            k_full = T.alloc_barrier([128] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([32] * num_stages)
+            v_full = T.alloc_barrier([32] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
             v_empty = T.alloc_barrier([consumers] * num_stages)
             # o_in_v: every consumer thread arrives once O's store has read the V ring (the
@@ -539,26 +540,29 @@ def flashattn_fwd(
             if tx >= consumers:
                 # ----------------------------------------------------------- producer warpgroup
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
-                for it in T.serial(n_iter):
-                    t = tile_index(cta, it)
-                    if t < whole_tiles:
-                        m_blk, by, bz = tile_coords(t)
-                        n_blocks = key_blocks(m_blk)
-                        load_tile(
-                            m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V, Q_shared,
-                            K_shared, V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            o_free,
-                        )  # fmt: skip
-                        kv_count = kv_count + n_blocks
-                        tile_count = tile_count + 1
-                if kv_splits > 1 and cta < n_parts:
-                    m_blk, by, bz, first, part_blocks = part_coords(cta)
-                    if part_blocks > 0:
-                        load_tile(
-                            m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V,
-                            Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
-                            k_empty, v_empty, o_free,
-                        )  # fmt: skip
+                # One warp issues the loads, as many threads as TMA needs; the other three
+                # would only poll the ring's mbarriers beside the consumers.
+                if tx < consumers + 32:
+                    for it in T.serial(n_iter):
+                        t = tile_index(cta, it)
+                        if t < whole_tiles:
+                            m_blk, by, bz = tile_coords(t)
+                            n_blocks = key_blocks(m_blk)
+                            load_tile(
+                                m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V,
+                                Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
+                                k_empty, v_empty, o_free,
+                            )  # fmt: skip
+                            kv_count = kv_count + n_blocks
+                            tile_count = tile_count + 1
+                    if kv_splits > 1 and cta < n_parts:
+                        m_blk, by, bz, first, part_blocks = part_coords(cta)
+                        if part_blocks > 0:
+                            load_tile(
+                                m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V,
+                                Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
+                                k_empty, v_empty, o_free,
+                            )  # fmt: skip
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)

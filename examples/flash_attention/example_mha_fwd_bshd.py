@@ -8,9 +8,10 @@ arrive. It also returns the log-sum-exp ``lse`` of each row, which the backward 
 
 What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand):
 
-- warp specialization: the last warpgroup is the producer, issuing TMA loads of Q and of K and V
-  into a ``num_stages``-deep ring in shared memory with few registers (``setmaxnreg``); the other
-  warpgroups are consumers, 64 query rows each, running WGMMA and the softmax with many;
+- warp specialization: the last warpgroup is the producer, one warp of it issuing TMA loads of Q
+  and of K and V into a ``num_stages``-deep ring in shared memory, with few registers
+  (``setmaxnreg``); the other warpgroups are consumers, 64 query rows each, running WGMMA and
+  the softmax with many;
 - mbarriers ("full" / "empty" per buffer) are the only handshake between them;
 - intra-warpgroup overlap: a consumer issues S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back as
   asynchronous WGMMA and runs the softmax of block k while the second one still runs; where
@@ -501,13 +502,13 @@ def flashattn_fwd(
             logsum = T.alloc_fragment([block_M], accum_dtype)
             row_sum = T.alloc_fragment([block_M], accum_dtype)  # a finished tile's, for its O
 
-            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # mbarriers between producer and consumers. "full": the producer warp's 32 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier([128] * q_slots)
+            q_full = T.alloc_barrier([32] * q_slots)
             q_empty = T.alloc_barrier([consumers] * q_slots)
-            k_full = T.alloc_barrier([128] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([32] * num_stages)
+            v_full = T.alloc_barrier([32] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
             v_empty = T.alloc_barrier([consumers] * num_stages)
             # o_in_v: every consumer thread arrives once O's store has read the V ring (the
@@ -533,26 +534,29 @@ def flashattn_fwd(
             if tx >= consumers:
                 # ----------------------------------------------------------- producer warpgroup
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
-                for it in T.serial(n_iter):
-                    t = tile_index(cta, it)
-                    if t < whole_tiles:
-                        m_blk, by, bz = tile_coords(t)
-                        n_blocks = key_blocks(m_blk)
-                        load_tile(
-                            m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V, Q_shared,
-                            K_shared, V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            o_free,
-                        )  # fmt: skip
-                        kv_count = kv_count + n_blocks
-                        tile_count = tile_count + 1
-                if kv_splits > 1 and cta < n_parts:
-                    m_blk, by, bz, first, part_blocks = part_coords(cta)
-                    if part_blocks > 0:
-                        load_tile(
-                            m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V,
-                            Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
-                            k_empty, v_empty, o_free,
-                        )  # fmt: skip
+                # One warp issues the loads, as many threads as TMA needs; the other three
+                # would only poll the ring's mbarriers beside the consumers.
+                if tx < consumers + 32:
+                    for it in T.serial(n_iter):
+                        t = tile_index(cta, it)
+                        if t < whole_tiles:
+                            m_blk, by, bz = tile_coords(t)
+                            n_blocks = key_blocks(m_blk)
+                            load_tile(
+                                m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V,
+                                Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
+                                k_empty, v_empty, o_free,
+                            )  # fmt: skip
+                            kv_count = kv_count + n_blocks
+                            tile_count = tile_count + 1
+                    if kv_splits > 1 and cta < n_parts:
+                        m_blk, by, bz, first, part_blocks = part_coords(cta)
+                        if part_blocks > 0:
+                            load_tile(
+                                m_blk, by, bz, first, part_blocks, kv_count, tile_count, Q, K, V,
+                                Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
+                                k_empty, v_empty, o_free,
+                            )  # fmt: skip
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
@@ -824,7 +828,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     sums added across the quad once a tile (FlashAttention-3's) 0.958-1.006x. On 2026-11-27:
     one reciprocal a row in the normalisation 0.98-1.01x, the O store's wait deferred to the
     next tile 0.96-1.00x, the D=256 rescale between the two GEMMs' issue 0.97-1.00x; 128-row
-    D=64 tiles 0.86-1.00x the 192-row ones, at S=1024 too despite 11% padding rows.
+    D=64 tiles 0.86-1.00x the 192-row ones, at S=1024 too despite 11% padding rows. D=64 with P
+    through shared memory (FlashAttention-3's D=64 choice, which frees P's registers for wider
+    key blocks): 0.87-0.93x at 192x128, 0.83-0.96x at 192x144 and 192x160 (192x176 and wider
+    spill; benchmarks/results/fwd_schedule_trials.md).
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
