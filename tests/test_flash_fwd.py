@@ -375,7 +375,7 @@ def test_short_tiles_start_under_the_last_pv(script, dim, causal):
     first Q Kᵀ is issued under this tile's last P V: one more WGMMA wait that leaves a GEMM in
     flight than with long tiles (Sk 4096, one slot, every tile started on its own); both build
     without spills or serialised WGMMAs."""
-    from test_flash_bwd_fast import ptxas_report
+    from test_flash_bwd_fast import assert_clean_build
 
     import harness
 
@@ -387,9 +387,8 @@ def test_short_tiles_start_under_the_last_pv(script, dim, causal):
         args = (16384 // S, *heads, S, S, dim, causal, dim**-0.5, "bfloat16")
         kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
         src = kernel.get_kernel_source()
-        report = ptxas_report(src)
-        assert "Potential Performance Loss" not in report, report
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        regs = int(re.search(r"warpgroup_reg_alloc<(\d+)>", src).group(1))
+        assert_clean_build(kernel, 2 * cfg["block_M"] + 128, 24, regs)
         built[S] = (src.count("wait_wgmma<1>"), harness.dynamic_smem_bytes(kernel))
     assert cfg["block_M"] == mod.default_config(dim, causal, "sm_90a", 1024)["block_M"]
     q_bytes = 2 * dim * cfg["block_M"]
