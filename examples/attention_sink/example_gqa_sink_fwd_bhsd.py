@@ -21,7 +21,7 @@ that sees no key gives ``O = 0`` and ``lse = +inf``, with or without a sink, as 
 this collection.
 
 What it teaches, on top of the hand-scheduled persistent forward of
-``examples/flash_attention/example_gqa_fwd_bshd.py`` (a producer warpgroup issuing TMA loads into
+``examples/flash_attention/example_gqa_fwd_bshd.py`` (a producer warp issuing TMA loads into
 a K/V ring guarded by full/empty mbarriers, consumer warpgroups with asynchronous WGMMA and
 ``setmaxnreg``, the softmax of key block k overlapping the P V GEMM of block k−1, one thread block
 per SM walking a list of tiles):
@@ -549,13 +549,13 @@ def flashattn_fwd(
             logsum = T.alloc_fragment([block_M], accum_dtype)
             factor = T.alloc_fragment([block_M], accum_dtype)  # a finished tile's, for its O
 
-            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # mbarriers between producer and consumers. "full": the producer warp's 32 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier([128] * q_stages)
+            q_full = T.alloc_barrier([32] * q_stages)
             q_empty = T.alloc_barrier([consumers] * q_stages)
-            k_full = T.alloc_barrier([128] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([32] * num_stages)
+            v_full = T.alloc_barrier([32] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
             v_empty = T.alloc_barrier([consumers] * num_stages)
             # What every key step after the first reads and writes (key_step's arguments).
@@ -576,19 +576,22 @@ def flashattn_fwd(
             if tx >= consumers:
                 # ----------------------------------------------------------- producer warpgroup
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
-                for it in T.serial(n_iter):
-                    t = tile_index(cta, it)
-                    if t < num_tiles:
-                        m_blk, by, bz = tile_coords(t)
-                        n_start, n_blocks = key_range(m_blk)
-                        load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz)
-                        for k in T.serial(n_blocks):
-                            load_kv(
-                                K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
-                                kv_count + k, n_start + k, by, bz,
-                            )  # fmt: skip
-                        kv_count = kv_count + n_blocks
-                        tile_count = tile_count + 1
+                # One warp issues the loads, as many threads as TMA needs; the other three
+                # would only poll the ring's mbarriers beside the consumers.
+                if tx < consumers + 32:
+                    for it in T.serial(n_iter):
+                        t = tile_index(cta, it)
+                        if t < num_tiles:
+                            m_blk, by, bz = tile_coords(t)
+                            n_start, n_blocks = key_range(m_blk)
+                            load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz)
+                            for k in T.serial(n_blocks):
+                                load_kv(
+                                    K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+                                    kv_count + k, n_start + k, by, bz,
+                                )  # fmt: skip
+                            kv_count = kv_count + n_blocks
+                            tile_count = tile_count + 1
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)

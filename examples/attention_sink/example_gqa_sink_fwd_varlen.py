@@ -20,7 +20,7 @@ key lengths may differ per sequence. Per sequence, with its own lengths ``Sq`` a
 A query row that sees no key (a sequence without keys, rows before a causal diagonal, a window
 that ends before key 0) gives ``out = 0`` and ``lse = +inf``, with or without a sink.
 
-The kernel is the persistent warp-specialized varlen forward (a producer warpgroup loading Q and
+The kernel is the persistent warp-specialized varlen forward (a producer warp loading Q and
 a K/V ring by TMA at each sequence's packed offset, consumer warpgroups with asynchronous WGMMA
 and ``setmaxnreg``, one thread block per SM walking a tile list built on the host, guarded stores
 of a sequence's last partial query block) with the BHSD sink forward's two additions:
@@ -331,13 +331,13 @@ def flashattn_fwd_varlen(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # mbarriers between producer and consumers. "full": the producer warp's 32 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier([128] * q_stages)
+            q_full = T.alloc_barrier([32] * q_stages)
             q_empty = T.alloc_barrier([consumers] * q_stages)
-            k_full = T.alloc_barrier([128] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([32] * num_stages)
+            v_full = T.alloc_barrier([32] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
             v_empty = T.alloc_barrier([consumers] * num_stages)
             # Both sides count the key blocks and tiles they have been through, so each knows
@@ -362,25 +362,28 @@ def flashattn_fwd_varlen(
             if tx >= consumers:
                 # ----------------------------------------------------------- producer warpgroup
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
-                for it in T.serial(rounds):
-                    bz = tiles[it, cta, 2]  # < 0: no tile this round
-                    if bz >= 0:
-                        m_blk = tiles[it, cta, 0]
-                        by = tiles[it, cta, 1]
-                        q_offset = cu_seqlens_q[bz]
-                        k_offset = cu_seqlens_k[bz]
-                        seq_len_q = cu_seqlens_q[bz + 1] - q_offset
-                        seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-                        n_start, n_blocks = key_range(m_blk, seq_len_q, seq_len_k)
-                        q_row = q_offset + m_blk * block_M
-                        load_q(Q, Q_shared, q_full, q_empty, tile_count, q_row, by)
-                        for k in T.serial(n_blocks):
-                            load_kv(
-                                K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
-                                kv_count + k, k_offset + (n_start + k) * block_N, by,
-                            )  # fmt: skip
-                        kv_count = kv_count + n_blocks
-                        tile_count = tile_count + 1
+                # One warp issues the loads, as many threads as TMA needs; the other three
+                # would only poll the ring's mbarriers beside the consumers.
+                if tx < consumers + 32:
+                    for it in T.serial(rounds):
+                        bz = tiles[it, cta, 2]  # < 0: no tile this round
+                        if bz >= 0:
+                            m_blk = tiles[it, cta, 0]
+                            by = tiles[it, cta, 1]
+                            q_offset = cu_seqlens_q[bz]
+                            k_offset = cu_seqlens_k[bz]
+                            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                            n_start, n_blocks = key_range(m_blk, seq_len_q, seq_len_k)
+                            q_row = q_offset + m_blk * block_M
+                            load_q(Q, Q_shared, q_full, q_empty, tile_count, q_row, by)
+                            for k in T.serial(n_blocks):
+                                load_kv(
+                                    K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
+                                    kv_count + k, k_offset + (n_start + k) * block_N, by,
+                                )  # fmt: skip
+                            kv_count = kv_count + n_blocks
+                            tile_count = tile_count + 1
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)

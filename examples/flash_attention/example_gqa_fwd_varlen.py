@@ -16,11 +16,11 @@ longest sequence) are taken for FlashAttention compatibility and checked; the ke
 comes from the lengths themselves.
 
 The kernel is the persistent, warp-specialized forward of example_gqa_fwd_bshd.py (read that one
-first): a producer warpgroup loads Q and a ring of K/V tiles by TMA and hands them over through
-"full" / "empty" mbarriers; consumer warpgroups issue S = Q K(k)ᵀ and O += P(k-1) V(k-1) back to
-back as asynchronous WGMMA and run the online softmax of block k while the second GEMM runs; one
-thread block per SM loops over tiles, so the next tile's loads run under the current tile's last
-GEMM and epilogue. What packing changes:
+first): one warp of a producer warpgroup loads Q and a ring of K/V tiles by TMA and hands them
+over through "full" / "empty" mbarriers; consumer warpgroups issue S = Q K(k)ᵀ and O += P(k-1)
+V(k-1) back to back as asynchronous WGMMA and run the online softmax of block k while the second
+GEMM runs; one thread block per SM loops over tiles, so the next tile's loads run under the
+current tile's last GEMM and epilogue. What packing changes:
 
 - the tiles are listed on the host (``tile_schedule``), where the lengths already are (checking
   the input reads ``cu_seqlens``): one tile per (sequence, head, query block), so a sequence
@@ -220,13 +220,13 @@ def flashattn_fwd_varlen(
             scores_sum = T.alloc_fragment([block_M], accum_dtype)
             logsum = T.alloc_fragment([block_M], accum_dtype)
 
-            # mbarriers between producer and consumers. "full": the producer's 128 threads
+            # mbarriers between producer and consumers. "full": the producer warp's 32 threads
             # arrive and its TMA load completes the byte count; "empty": every consumer thread
             # arrives when it no longer reads the buffer. K and V stages have a pair each.
-            q_full = T.alloc_barrier(128)
+            q_full = T.alloc_barrier(32)
             q_empty = T.alloc_barrier(consumers)
-            k_full = T.alloc_barrier([128] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([32] * num_stages)
+            v_full = T.alloc_barrier([32] * num_stages)
             k_empty = T.alloc_barrier([consumers] * num_stages)
             v_empty = T.alloc_barrier([consumers] * num_stages)
             # Both sides count the key blocks and tiles they have been through, so each knows
@@ -250,46 +250,49 @@ def flashattn_fwd_varlen(
             if tx >= consumers:
                 # ----------------------------------------------------------- producer warpgroup
                 T.set_max_nreg(PRODUCER_REGS, 0)  # hand registers over to the consumers
-                for it in T.serial(rounds):
-                    bz = tiles[it, cta, 2]  # < 0: no tile this round
-                    if bz >= 0:
-                        row0 = tiles[it, cta, 0] * block_M
-                        by = tiles[it, cta, 1]
-                        q_offset = cu_seqlens_q[bz]
-                        k_offset = cu_seqlens_k[bz]
-                        seq_len_q = cu_seqlens_q[bz + 1] - q_offset
-                        seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-                        n_blocks = key_blocks(row0, seq_len_q, seq_len_k)
-                        # A fresh mbarrier counts as having completed the phase before phase 0,
-                        # so the first wait on an "empty" barrier (parity 1) passes at once.
-                        T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
-                        T.tma_copy(
-                            Q[q_offset + row0 : q_offset + row0 + block_M, by, :],
-                            Q_shared,
-                            barrier=q_full,
-                        )
-                        T.barrier_arrive(q_full)
-                        for k in T.serial(n_blocks):
-                            g = kv_count + k
-                            stage = g % num_stages
-                            phase = (g // num_stages) & 1
-                            kv0 = k_offset + k * block_N  # packed row of the block's first key
-                            T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+                # One warp issues the loads, as many threads as TMA needs; the other three
+                # would only poll the ring's mbarriers beside the consumers.
+                if tx < consumers + 32:
+                    for it in T.serial(rounds):
+                        bz = tiles[it, cta, 2]  # < 0: no tile this round
+                        if bz >= 0:
+                            row0 = tiles[it, cta, 0] * block_M
+                            by = tiles[it, cta, 1]
+                            q_offset = cu_seqlens_q[bz]
+                            k_offset = cu_seqlens_k[bz]
+                            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+                            seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                            n_blocks = key_blocks(row0, seq_len_q, seq_len_k)
+                            # A fresh mbarrier counts as having completed the phase before phase 0,
+                            # so the first wait on an "empty" barrier (parity 1) passes at once.
+                            T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
                             T.tma_copy(
-                                K[kv0 : kv0 + block_N, by // groups, :],
-                                K_shared[stage, :, :],
-                                barrier=k_full[stage],
+                                Q[q_offset + row0 : q_offset + row0 + block_M, by, :],
+                                Q_shared,
+                                barrier=q_full,
                             )
-                            T.barrier_arrive(k_full[stage])
-                            T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
-                            T.tma_copy(
-                                V[kv0 : kv0 + block_N, by // groups, :],
-                                V_shared[stage, :, :],
-                                barrier=v_full[stage],
-                            )
-                            T.barrier_arrive(v_full[stage])
-                        kv_count = kv_count + n_blocks
-                        tile_count = tile_count + 1
+                            T.barrier_arrive(q_full)
+                            for k in T.serial(n_blocks):
+                                g = kv_count + k
+                                stage = g % num_stages
+                                phase = (g // num_stages) & 1
+                                kv0 = k_offset + k * block_N  # packed row of the block's first key
+                                T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+                                T.tma_copy(
+                                    K[kv0 : kv0 + block_N, by // groups, :],
+                                    K_shared[stage, :, :],
+                                    barrier=k_full[stage],
+                                )
+                                T.barrier_arrive(k_full[stage])
+                                T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+                                T.tma_copy(
+                                    V[kv0 : kv0 + block_N, by // groups, :],
+                                    V_shared[stage, :, :],
+                                    barrier=v_full[stage],
+                                )
+                                T.barrier_arrive(v_full[stage])
+                            kv_count = kv_count + n_blocks
+                            tile_count = tile_count + 1
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
