@@ -819,7 +819,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     stages the same. On today's kernel (2026-11-27, beside the 160-key blocks above) 128x176
     (O then from registers) measured 0.93-1.01x and 128x144 0.92-1.03x the 128-key blocks.
     Skipping the O rescale in a warp none of whose rows changed its max (a warp vote; results
-    bit-identical) measured 0.955-1.007x on eight rows (2026-11-24): not kept. Counted in SM
+    bit-identical) measured 0.955-1.007x on eight rows (2026-11-24), and with FlashAttention-4's
+    threshold (a row's max kept until it moves by 2^8, so the multiplies are almost never due)
+    0.957-1.008x (2026-11-27): not kept. One thread a consumer warpgroup releasing each K/V
+    stage after its WGMMA wait (CUTLASS's pipeline) lost 0.933-1.012x (2026-11-27). Counted in SM
     cycles under Nsight Compute (a launch repeats to 0.3%, a rebuild moves them up to 1%;
     2026-11-24, benchmarks/results/kernel_cycles.md): the pinned exponentials 0.987-1.015x this
     kernel, with ping-pong 0.958-1.016x, WGMMA descriptors built on a warp-uniform thread index
