@@ -824,8 +824,9 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     0.957-1.008x (2026-11-27): not kept. One thread a consumer warpgroup releasing each K/V
     stage after its WGMMA wait (CUTLASS's pipeline) lost 0.933-1.012x (2026-11-27). S in two
     register sets, each block's S = Q Kᵀ issued a step before its softmax (2026-11-27): 1.06-1.13x
-    the same 128x128 D=64 tiles but 0.93-0.98x the 192-row default (which cannot hold a second
-    S), and 0.79-0.88x at D=128, where only 96- or 112-key blocks fit. Counted in SM
+    the same 128x128 D=64 tiles (1.06-1.09x at 128x144) but 0.93-0.98x the 192-row default
+    (which cannot hold a second S), and 0.79-0.88x at D=128, where only 96- or 112-key blocks
+    fit. Counted in SM
     cycles under Nsight Compute (a launch repeats to 0.3%, a rebuild moves them up to 1%;
     2026-11-24, benchmarks/results/kernel_cycles.md): the pinned exponentials 0.987-1.015x this
     kernel, with ping-pong 0.958-1.016x, WGMMA descriptors built on a warp-uniform thread index
