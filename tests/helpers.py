@@ -1,4 +1,5 @@
-"""Loading the example scripts by path (their names repeat across folders)."""
+"""Loading the example scripts by path (their names repeat across folders), and checks of their
+generated code that several test files share."""
 
 import importlib.util
 import pathlib
@@ -30,3 +31,11 @@ def load_script(relpath: str):
             spec.loader.exec_module(module)
         _loaded[relpath] = module
     return _loaded[relpath]
+
+
+def assert_one_producer_warp(src: str, consumers: int, fulls=("k_full", "v_full")):
+    """The hand-scheduled forwards' producer: of the warpgroup after the ``consumers`` threads,
+    one warp runs the load loop, and the "full" mbarriers count its 32 threads."""
+    assert f"if (((int)threadIdx.x) < {consumers + 32})" in src, "one producer warp loads"
+    for full in fulls:
+        assert f"{full}[0].init(32);" in src, full

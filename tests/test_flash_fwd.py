@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_script
+from helpers import assert_one_producer_warp, load_script
 
 BSHD = "flash_attention/example_mha_fwd_bshd.py"
 BHSD = "flash_attention/example_mha_fwd_bhsd.py"
@@ -191,9 +191,7 @@ def test_warp_specialized_layout(script, dim, causal, seq_len, threads, consumer
     src = kernel.get_kernel_source()
     assert f"__launch_bounds__({threads}, 1)" in src
     assert "warpgroup_reg_dealloc<24>" in src
-    assert f"if (((int)threadIdx.x) < {threads - 128 + 32})" in src  # the producer warp
-    for full in ("q_full", "k_full", "v_full"):
-        assert f"{full}[0].init(32);" in src
+    assert_one_producer_warp(src, threads - 128, ("q_full", "k_full", "v_full"))
     assert f"warpgroup_reg_alloc<{consumer_regs}>" in src
     assert (threads - 128) * consumer_regs + 128 * 24 <= 65536 // threads // 8 * 8 * threads
     assert harness.dynamic_smem_bytes(kernel) <= 227 * 1024
