@@ -826,7 +826,7 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     register sets, each block's S = Q Kᵀ issued a step before its softmax (2026-11-27): 1.06-1.13x
     the same 128x128 D=64 tiles (1.06-1.09x at 128x144) but 0.93-0.98x the 192-row default
     (which cannot hold a second S), and 0.79-0.88x at D=128, where only 96- or 112-key blocks
-    fit. Counted in SM
+    fit; on the D=64 causal 128x128 tiles at Sk <= 2048 0.92-0.97x the same tiles. Counted in SM
     cycles under Nsight Compute (a launch repeats to 0.3%, a rebuild moves them up to 1%;
     2026-11-24, benchmarks/results/kernel_cycles.md): the pinned exponentials 0.987-1.015x this
     kernel, with ping-pong 0.958-1.016x, WGMMA descriptors built on a warp-uniform thread index
