@@ -1766,7 +1766,12 @@ def default_config(dim, arch="sm_90a", grid=None):
     in SM cycles on full rows and 1.015-1.046x on causal ones (2026-11-24,
     benchmarks/results/kernel_cycles.md): not kept. lse2 and delta copied into registers before
     the waits for Sᵀ and dPᵀ (their loads then run under the GEMMs) measured 0.997-1.005x at
-    D=128 and 0.76x at D=64 (spills), in cycles, the same day: not kept.
+    D=128 and 0.76x at D=64 (spills), in cycles, the same day: not kept. On 2026-11-27
+    (benchmarks/results/bwd_schedule_trials.md): the step's dK wait moved into the next step,
+    behind its Sᵀ and dPᵀ issue, 0.967-1.020x; dQᵀ of each step computed at the start of the next,
+    the warpgroups meeting on an mbarrier per dSᵀ buffer instead of the named barrier, 0.93-0.99x
+    (with FA3's ping-pong on the Sᵀ/dPᵀ issue 0.89-0.99x, with two dQ tiles 0.92-0.94x): the dQᵀ
+    GEMM and store then sit on the warpgroup's own path. Not kept.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
