@@ -789,22 +789,32 @@ def test_tail_split_plan():
     assert plan(4096, 132, 64, allowed=False) == (4096, 0, 1)
 
 
-def test_tail_split_builds_clean():
+@pytest.mark.parametrize(
+    "B, H, groups, splits",
+    [(4, 32, 1, 8), (1, 20, 4, 4)],  # MHA B4 H32; GQA B1 H20 Hkv5: 160 thread blocks
+    ids=["mha", "gqa-groups4"],
+)
+def test_tail_split_builds_clean(B, H, groups, splits):
     """The plain grid with its last wave in parts: one code path (shared memory once), no
-    spills, the parts' float32 dK/dV written; the sum kernel builds."""
+    spills, the parts' float32 dK/dV written; the sum kernel builds. With a GQA group a walk's
+    step count is a run-time multiple of ``groups`` (each part's query blocks times the heads
+    it walks)."""
     import harness
 
     mod = load_script(FAST)
     cfg = mod.default_config(128)
-    tail = (132, *mod.tail_split_plan(4096, 132, 64))
-    kernels = mod.backward_kernels(4096, 4096, 128, False, 128**-0.5, "float16", cfg, tail=tail)
+    n_thread_blocks = 4096 // cfg["block_M"] * (H // groups) * B
+    tail = (132, *mod.tail_split_plan(n_thread_blocks, 132, 64))
+    kernels = mod.backward_kernels(
+        4096, 4096, 128, False, 128**-0.5, "float16", cfg, groups, tail=tail
+    )
     fn, args, kw = kernels["flash_bwd"]
-    assert kw["tail_splits"] == 8
-    kernel = harness.compile_for(fn, "sm_90a", 4, 32, *args, **kw)
+    assert kw["tail_splits"] == splits
+    kernel = harness.compile_for(fn, "sm_90a", B, H, *args, **kw)
     assert_clean_build(kernel)
     assert "dK_part" in kernel.get_kernel_source()
     fn, args, kw = kernels["flash_bwd_post_tail"]
-    harness.compile_for(fn, "sm_90a", 4, 32, *args, **kw)
+    harness.compile_for(fn, "sm_90a", B, H, *args, **kw)
 
 
 def _case_id(case):
