@@ -86,18 +86,23 @@ def test_generated_code_holds_the_schedule(dim, causal):
     assert "__launch_bounds__(384, 1)" in bwd  # two consumer warpgroups + the producer
     assert "warpgroup_reg_dealloc<24>" in bwd and "warpgroup_reg_alloc<240>" in bwd
     assert "tma_load" in bwd and ".expect_transaction(" in bwd and ".wait(" in bwd
-    # Each consumer warpgroup's own loop: S/dP, dV and dK issued asynchronously, three waits
-    # that leave one GEMM running (after S/dP, after dQ, after dK).
-    assert bwd.count("wait_wgmma<1>") == 2 * 3
-    assert bwd.count("wgmma_rs") == 2 * 2  # dV and dK take P and dS from registers
+    # Each consumer warpgroup's own loop, two steps a turn (warpgroup 0 computes dQ on even
+    # steps, 1 on odd ones) and, where the step count is known only at run time (causal), an odd
+    # last step: four or six copies of the step, half of them with dQ. In each copy S/dP, dV
+    # and dK are issued asynchronously, with two waits that leave one GEMM running (dPᵀ after
+    # Sᵀ, dK after dV) and two in full (dPᵀ, dK); a copy with dQ also waits for its GEMM.
+    copies = 6 if causal else 4  # without causal, 1000 queries: 16 steps, an even count
+    assert bwd.count("wgmma_rs") == copies * 2  # dV and dK take P and dS from registers
+    assert bwd.count("wait_wgmma<1>") == copies * 2
+    assert bwd.count("wait_wgmma<0>") == copies * 2 + copies // 2
     # One named barrier a step and one before the epilogue, per warpgroup; then each
     # warpgroup's own barrier before its rows of dK/dV leave shared memory.
-    assert bwd.count("__sync_thread_partial(8, 256)") == 2 * 2
+    assert bwd.count("__sync_thread_partial(8, 256)") == copies + 2
     assert bwd.count("__sync_thread_partial(9, 128)") == bwd.count("(10, 128)") == 1
     assert "fence_proxy_async" in bwd
     # dQ: stored in accumulator order by 16-byte vectors, then one bulk reduce-add (the 1-D
     # form: shared address, global address, byte count) a step, and no per-thread atomics.
-    assert bwd.count("*(float4*)(((float*)dq_shared)") == 2
+    assert bwd.count("*(float4*)(((float*)dq_shared)") == copies // 2
     assert re.search(
         r"tma_store_add\(\(&\(\(\(float\*\)dq_shared\)\[[^]]*\]\)\), \(&\(dQ_accum\[", bwd
     )
@@ -153,8 +158,8 @@ def test_single_key_block_causal_builds(dim, seq_q, seq_k, block_M):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_consumer_warpgroup_builds_clean(causal):
-    """block_M = 64 (D = 64): one consumer warpgroup (256 threads) computes both parts of the
-    dQᵀ tile; no spills, no serialized WGMMA, and set_max_nreg's split fits its launch."""
+    """block_M = 64 (D = 64): one consumer warpgroup (256 threads) computes every step's dQ;
+    no spills, no serialized WGMMA, and set_max_nreg's split fits its launch."""
     mod = load_script(FAST)
     kernel = build(mod, 1, 8, 2048, 64, causal, **dict(mod.default_config(64), block_M=64))
     assert_clean_build(kernel, 256, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
@@ -448,6 +453,21 @@ def test_accumulator_order(cols):
     assert all(mod.accumulator_coords(at) == rc for rc, at in index.items())
 
 
+@pytest.mark.parametrize(
+    "dim,block_N,form",
+    [(128, 64, (False, 64, 128)), (64, 128, (True, 64, 128)), (64, 64, (False, 64, 64))],
+)
+def test_dq_form_puts_the_larger_side_across(dim, block_N, form):
+    """One warpgroup computes a step's dQ as one GEMM: 64 rows (WGMMA's M) by the tile's larger
+    side, so that dSᵀ and K are each read once: dQ [queries, D] at D = 128 (64 queries a
+    step), dQᵀ [D, queries] at D = 64 (128 queries)."""
+    mod = load_script(FAST)
+    assert mod.dq_form(dim, block_N) == form
+    transposed, rows, cols = form
+    assert rows == 64 and rows * cols == dim * block_N
+    assert (rows, cols) == ((dim, block_N) if transposed else (block_N, dim))
+
+
 @pytest.mark.parametrize("dim,block,layout", [(64, 128, "bhsd"), (128, 64, "bshd")])
 def test_postprocess_reads_in_order_and_stores_by_tma(dim, block, layout):
     """``flash_bwd_post`` reads the float32 tile in order (consecutive threads, consecutive
@@ -460,7 +480,14 @@ def test_postprocess_reads_in_order_and_stores_by_tma(dim, block, layout):
     src = harness.compile_for(
         mod.flash_bwd_post, "sm_90a", *args, block=block, layout=layout
     ).get_kernel_source()
-    assert "((float*)tile)[((i_1 * 128) + ((int)threadIdx.x))]" in src
+    # In order: thread t reads floats w·t … w·t + w − 1 of each run of 128·w (w = 2 where a
+    # thread's two floats are neighbours in the output row too: the untransposed dQ tile).
+    assert re.search(
+        r"\(\(float\*\)tile\)\[\(\(i_1 \* 128\) \+ \(\(int\)threadIdx\.x\)\)\]"
+        r"|\*\(float2\*\)\(\(\(float\*\)tile\) \+ "
+        r"\(\(i_1 \* 256\) \+ \(\(\(int\)threadIdx\.x\) \* 2\)\)\)",
+        src,
+    )
     assert "tl::tma_store(dQ_desc" in src
 
 
@@ -714,7 +741,11 @@ def test_packed_no_spills_and_fits_shared_memory(dim, causal, groups):
     kernel = build_packed(mod, dim, causal, groups)
     src = kernel.get_kernel_source()
     assert "flash_bwd_varlen_kernel" in src and "__launch_bounds__(384, 1)" in src
-    assert src.count("wait_wgmma<1>") == 2 * 3 and src.count("wgmma_rs") == 2 * 2
+    # one copy of the step a warpgroup, its turn at dQ a branch on the step's parity
+    assert src.count("wait_wgmma<1>") == 2 * 2 and src.count("wgmma_rs") == 2 * 2
+    assert re.search(r"if \(\(i_\d+ % 2\) == 0\)", src) and re.search(
+        r"if \(\(i_\d+ & 1\) == 1\)", src
+    )
     assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 

@@ -31,31 +31,41 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
       wait_wgmma(0)    dSᵀ = Pᵀ ∘ (dPᵀ − delta); Pᵀ, dSᵀ to 16 bits; dSᵀ to shared memory
       issue dV += Pᵀ dO            (Pᵀ straight from registers)
       fence + named barrier        both warpgroups' halves of dSᵀ are in shared memory
-      issue dQᵀ = Kᵀ dSᵀ           (dSᵀ from shared memory: dQ sums over all 128 keys)
-      wait_wgmma(1)    dV is done: release the dO buffer
       issue dK += dSᵀ Q            (dSᵀ from registers)
-      wait_wgmma(1)    dQ is done: into shared memory for the producer's reduce-add
+      wait_wgmma(1)    dV is done: release the dO buffer
       wait_wgmma(0)    dK is done: release the Q buffer
+      on warpgroup i % 2 at step i (its turn at dQ):
+        issue dQ = dS K            (dSᵀ from shared memory: dQ sums over all 128 keys)
+        wait_wgmma(0)  dQ is done: into shared memory for the producer's reduce-add
 
   so the exponentials may run under the dPᵀ GEMM (ptxas in fact moves that wait up to the first of
-  them; the other warpgroup's GEMMs keep the tensor cores busy meanwhile), and the dQ GEMM, its
-  hand-off and the dK GEMM overlap. Where some step needs a mask (the causal diagonal, a window's
-  edges, keys past Sk), every step applies it, as a select on each exponent (at D = 128 a window's
-  two edges as one unsigned compare, which nvcc keeps branch-free): a uniform branch
-  choosing per step between a masked and a plain loop costs more than the selects it saves
-  (packed sequences at D = 64 keep that branch: the selects on every step would spill). dQ is
-  computed transposed so that the head dim is the GEMM's M: each warpgroup takes half of it (D =
-  128), or half of the queries (D = 64, where half the head dim would be smaller than WGMMA's M of
-  64). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored in the order
-  the threads hold it (``accumulator_index``): every thread writes 16 bytes at a time and
-  consecutive threads write consecutive addresses, which keeps the stores free of bank conflicts
-  and makes the tile one contiguous block for the bulk reduce-add; the float32 accumulator keeps
-  that order, one block per query block. dSᵀ is double-buffered in shared memory, so the one
-  barrier per step is enough: a warpgroup writes buffer ``i % 2`` at step ``i`` only after both
-  passed step ``i − 1``'s barrier, that is, after both finished step ``i − 2``'s dQ GEMM, the last
-  reader of that buffer. After the last step, dK and dV go out through K's and V's shared-memory
-  buffers, so that they are written as 16-byte row vectors (straight from registers they would
-  fill half of each 32-byte sector).
+  them; the other warpgroup's GEMMs keep the tensor cores busy meanwhile), and one warpgroup's
+  dQ GEMM runs beside the other's next Sᵀ and dPᵀ. Where some step needs a mask (the causal
+  diagonal, a window's edges, keys past Sk), every step applies it, as a select on each exponent
+  (at D = 128 a window's two edges as one unsigned compare, which nvcc keeps branch-free): a
+  uniform branch choosing per step between a masked and a plain loop costs more than the selects
+  it saves (packed sequences at D = 64 keep that branch: the selects on every step would spill).
+
+  The step is bound by shared-memory bandwidth (its GEMMs read about 256 KB of operands from it
+  at D = 128), so a step's dQ is one GEMM by one warpgroup, the two taking turns: a WGMMA
+  instruction covers 64 rows of its output and the whole width, reading its B operand once for
+  them, so with the tile's larger side as that width the GEMM reads dSᵀ and K once each
+  (``dq_form``: dQ [64 queries, 128] at D = 128, dQᵀ [64, 128 queries] at D = 64), 16 KB a
+  step less than two warpgroups each computing half of the tile. Its float32 accumulator (64
+  registers a thread) does not fit beside dK, dV and the 16-bit Pᵀ and dSᵀ, so dV and dK
+  retire first, which also leaves no GEMM in flight where the turn branches (ptxas serialises
+  every WGMMA of a kernel where one is). The dense loop takes two steps a turn, so that each
+  copy of the step knows its role at compile time; the packed kernel branches on the step. The
+  dQ tile is the kernel's heaviest shared-memory traffic, so it is stored in the order the
+  threads hold it (``accumulator_index``): every thread writes 16 bytes at a time and
+  consecutive threads write consecutive addresses, which keeps the stores free of bank
+  conflicts and makes the tile one contiguous block for the bulk reduce-add; the float32
+  accumulator keeps that order, one block per query block. dSᵀ is double-buffered in shared
+  memory, so the one barrier per step is enough: a warpgroup writes buffer ``i % 2`` at step
+  ``i`` only after both passed step ``i − 1``'s barrier, that is, after step ``i − 2``'s dQ
+  GEMM, the last reader of that buffer, is done. After the last step, dK and dV go out through
+  K's and V's shared-memory buffers, so that they are written as 16-byte row vectors (straight
+  from registers they would fill half of each 32-byte sector).
 - A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
   units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
   get P = 0 without a mask, and every TMA box starts 16-byte aligned), and zeroes the float32
@@ -73,8 +83,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   than itself: the wait always ends. At D = 128 the window's top key blocks, whose walks the
   end of the queries cuts short, launch after all the others and fill the grid's last wave
   (``launch_order``). At a window's edges a step's queries may see none of one consumer
-  warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step and
-  only computes its share of dQ (``idle_step``), leaving the tensor cores to the other.
+  warpgroup's 64 keys; at D = 128 that warpgroup then skips its four GEMMs of the step and, on
+  its turn, only computes the step's dQ (``idle_step``), leaving the tensor cores to the other.
 - The kernels chain by programmatic dependent launch (``T.pdl_trigger`` / ``T.pdl_sync``,
   CUDA's ``griddepcontrol``), dense or packed: a kernel that calls ``T.pdl_sync`` is launched
   before the one ahead of it on the stream has finished, once every thread block of that one
@@ -88,9 +98,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
 
 A grid too small to fill the GPU (few kv heads and short sequences: a long walk per thread
 block on few SMs) takes 64 keys a thread block at D = 64 (``small_grid``): one consumer
-warpgroup (256 threads) that issues both parts of the dQᵀ tile itself, so the tile and the
-postprocess keep the order of two. Twice the thread blocks, each step half as long, end the
-longest walk sooner.
+warpgroup (256 threads), which computes every step's dQ. Twice the thread blocks, each step
+half as long, end the longest walk sooner.
 
 The GPU starts a grid's thread blocks in the order of their index. Causal, key block 0 walks
 every query block and the last key block almost none, so in the plain order (one head's key
@@ -255,14 +264,18 @@ def bulk_store(dst, src, count):
     )
 
 
-def dq_split(dim, block_N):
-    """How the two consumer warpgroups split a step's dQᵀ tile ([dim, block_N]): dQᵀ = Kᵀ dSᵀ
-    needs every key of the block, so they split its output instead — halves of the head dim
-    (the GEMM's M, at least 64) or, for D = 64, halves of the queries. Returns (split_dim,
-    rows, cols): whether the head dim is split, and each warpgroup's part. The backward and
-    the postprocess both read it from here, so they agree on the tile's order."""
-    split_dim = dim >= 128
-    return split_dim, (dim // 2 if split_dim else dim), (block_N if split_dim else block_N // 2)
+def dq_form(dim, block_N):
+    """The shape in which one consumer warpgroup computes a step's whole dQ tile, as one GEMM
+    over all the block's keys: dQ = dS K, ``[block_N, dim]`` (rows are queries), or dQᵀ = Kᵀ dSᵀ,
+    ``[dim, block_N]``. A WGMMA instruction covers 64 rows (M) and the whole width (N) of its
+    tile, reading its B operand once for all 64 rows; with the larger side as N, the GEMM reads
+    dSᵀ and K from shared memory once each (at D = 128: dQ [64, 128], 48 KB a step; two
+    warpgroups each computing half of the tile read one of them twice, 64 KB). Returns
+    (transposed, rows, cols). The backward and the postprocess both read it from here, so they
+    agree on the tile's order."""
+    if dim >= block_N and block_N % 64 == 0:
+        return False, block_N, dim
+    return True, dim, block_N
 
 
 def seq_index(layout, b, h, s, d):
@@ -310,7 +323,7 @@ def stats_tile(X, layout, b, h, k, n):
 
 
 def dq_tile_index(layout, b, h, k):
-    """Where query block ``k``'s dQᵀ tile starts in ``dQ_accum``: ``[B, H, blocks, tile]`` with
+    """Where query block ``k``'s dQ tile starts in ``dQ_accum``: ``[B, H, blocks, tile]`` with
     ``b`` the batch entry, or (``"thd"``) ``[tiles, H, tile]`` with ``b`` the first tile (tile
     major: the address is then a run-time tile count times a constant, cheap in 64 bits)."""
     return (b + k, h, 0) if layout == "thd" else (b, h, k, 0)
@@ -485,7 +498,7 @@ def every_block_walked(seq_q, seq_kv, causal, window, block_M, block_N):
 def store_stride(seq_q, seq_kv, causal, window, block_M, block_N):
     """The smallest p for which key blocks 0, p, 2p, … walk query blocks that do not overlap and
     together cover every query block, or None. Then ``flash_bwd`` runs in two launches — those
-    key blocks store their dQᵀ tiles, the others add to them — and the prep need not zero the
+    key blocks store their dQ tiles, the others add to them — and the prep need not zero the
     accumulator; with p = 1 one launch stores every tile. A window of 1024 keys has one (p = 9
     at D = 128), and so has a short sequence (key block 0 reaches every query block: p = the key
     block count). Query blocks that no key reaches (causal, Sq > Sk) rule it out: nothing would
@@ -677,7 +690,7 @@ def flash_bwd(
     already holds it and dS = P ∘ (dP − delta) is unchanged.
 
     Score tiles are transposed (rows are keys, columns queries): ``acc_s`` holds Sᵀ then Pᵀ,
-    ``acc_dp`` holds dPᵀ then dSᵀ, and dQ is computed transposed too (``dq`` holds dQᵀ = Kᵀ dSᵀ).
+    ``acc_dp`` holds dPᵀ then dSᵀ, and ``dq`` a step's dQ tile, in ``dq_form``'s shape.
     dK is scaled by ``softmax_scale`` once at the end; dQ leaves unscaled (the postprocess
     scales it).
 
@@ -688,7 +701,7 @@ def flash_bwd(
     its sequences in the order of ``seq_order`` (``sequence_order``: heaviest first):
     it reads its sequence's offsets and lengths from ``cu_seqlens_q/k`` and leaves at once when
     its key block lies past the sequence's keys. Otherwise the schedule is the same, at the
-    sequence's rows: K, V, Q and dO by TMA at its packed offsets, lse2, Delta and the dQᵀ tiles
+    sequence's rows: K, V, Q and dO by TMA at its packed offsets, lse2, Delta and the dQ tiles
     at its own padded tiles (``tile_start``), so a query box that runs into the next sequence
     reads rows whose lse2 is +inf (P = 0, dS = 0: they add exact zeros into this sequence's
     tile) and a key box that does is masked like the keys past Sk of a dense batch. A sequence
@@ -697,7 +710,7 @@ def flash_bwd(
     ``key_stride``, ``first_store`` (dense layouts): the key blocks in two launches, so that the
     dQ accumulator needs no zeroing (``store_stride`` says when that works). ``first_store``:
     this launch takes key blocks 0, p, 2p, … (p = ``key_stride``), whose query blocks do not
-    overlap and cover every query block, and *stores* each dQᵀ tile (a bulk copy where the
+    overlap and cover every query block, and *stores* each dQ tile (a bulk copy where the
     reduce-add would be); otherwise, with p > 1, it takes the remaining key blocks and adds, after
     the first launch (stream order). With p = 1 and no ``first_store``: every key block, adding.
 
@@ -759,8 +772,9 @@ def flash_bwd(
     if head_splits > 1 and (packed or groups % head_splits):
         raise ValueError(f"head_splits ({head_splits}) must divide groups ({groups}), dense only")
     if block_M not in (64, 128) or (block_M == 64 and dim > 64):
-        # One warpgroup holding dK, dV and both dQᵀ parts of a D = 128 step runs out of
-        # registers: ptxas serializes its WGMMAs.
+        # 64 keys (one consumer warpgroup) are the small grids' tile at D = 64 (``small_grid``);
+        # at D = 128 they were tried only with dQ split between two warpgroups' registers, where
+        # one warpgroup holding all of it made ptxas serialize its WGMMAs.
         raise ValueError(f"block_M must be 128, or 64 at D = 64; got {block_M} at D = {dim}")
     if not packed:
         offset = seq_kv - seq_q  # bottom-right causal alignment
@@ -781,17 +795,8 @@ def flash_bwd(
     consumer_regs = CONSUMER_REGS
     if ctas_per_sm > 1:
         consumer_regs = (65536 // ctas_per_sm - 128 * PRODUCER_REGS) // consumers // 8 * 8
-    dq_split_dim, dq_rows, dq_cols = dq_split(dim, block_N)
-    dq_tile = dim * block_N  # floats of one step's dQᵀ tile (both warpgroups' parts)
-
-    # One consumer warpgroup (block_M = 64, D = 64) computes both parts of the dQᵀ tile itself,
-    # so the tile's order (and the postprocess) stays that of two. A warpgroup's ``dq`` is the
-    # tuple of its parts' fragments.
-    def dq_parts(wg):
-        return (0, 1) if consumers == 128 else (wg,)
-
-    def alloc_dq():
-        return tuple(T.alloc_fragment([dq_rows, dq_cols], accum_dtype) for _ in dq_parts(0))
+    dq_transposed, dq_rows, dq_cols = dq_form(dim, block_N)
+    dq_tile = dim * block_N  # floats of one step's dQ tile
 
     # head_splits: the group's query heads are shared out over that many thread blocks a key
     # block, each walking ``walked`` of them (grid row ``by`` = kv head · head_splits + part).
@@ -915,28 +920,13 @@ def flash_bwd(
         T.wgmma_gemm(acc_s_cast, dO_shared[stage, :, :], dv)
 
     @T.macro
-    def dq_gemm(wg, ds_buf, K_shared, ds_shared, dq):
-        # This warpgroup's parts of dQᵀ = Kᵀ dSᵀ (``dq_split``), one GEMM each. dSᵀ comes from
-        # shared memory: dQ sums over all the block's keys, so it needs both halves of dSᵀ.
-        for part, frag in zip(dq_parts(wg), dq, strict=True):
-            if dq_split_dim:  # dQᵀ[half of D, :] = Kᵀ[half of D, :] dSᵀ
-                d0 = part * dq_rows
-                T.wgmma_gemm(
-                    K_shared[:, d0 : d0 + dq_rows],
-                    ds_shared[ds_buf, :, :],
-                    frag,
-                    transpose_A=True,
-                    clear_accum=True,
-                )
-            else:  # dQᵀ[:, half of the queries] = Kᵀ dSᵀ[:, half]
-                c0 = part * dq_cols
-                T.wgmma_gemm(
-                    K_shared,
-                    ds_shared[ds_buf, :, c0 : c0 + dq_cols],
-                    frag,
-                    transpose_A=True,
-                    clear_accum=True,
-                )
+    def dq_gemm(ds_buf, K_shared, ds_shared, dq):
+        # The step's whole dQ tile (``dq_form``), one GEMM over all the block's keys: dSᵀ, both
+        # warpgroups' halves of it, and K from shared memory.
+        if dq_transposed:  # dQᵀ = Kᵀ dSᵀ
+            T.wgmma_gemm(K_shared, ds_shared[ds_buf, :, :], dq, transpose_A=True, clear_accum=True)
+        else:  # dQ = dS K
+            T.wgmma_gemm(ds_shared[ds_buf, :, :], K_shared, dq, transpose_A=True, clear_accum=True)
 
     @T.macro
     def dk_update(stage, ds_cast, Q_shared, dk):
@@ -944,12 +934,23 @@ def flash_bwd(
         T.wgmma_gemm(ds_cast, Q_shared[stage, :, :], dk)
 
     @T.macro
-    def dq_store(wg, slot, dq, dq_shared):
-        # dQᵀ into dq_shared for producer warp 1's bulk reduce-add, in the order the threads
-        # hold it (``accumulator_index``): 16-byte stores, no bank conflicts.
-        for part, frag in zip(dq_parts(wg), dq, strict=True):
-            for r, c in T.Parallel(dq_rows, dq_cols):
-                dq_shared[slot, part * (dq_tile // 2) + accumulator_index(r, c)] = frag[r, c]
+    def dq_store(slot, dq, dq_shared):
+        # The dQ tile into dq_shared for producer warp 1's bulk reduce-add, in the order the
+        # threads hold it (``accumulator_index``): 16-byte stores, no bank conflicts.
+        for r, c in T.Parallel(dq_rows, dq_cols):
+            dq_shared[slot, accumulator_index(r, c)] = dq[r, c]
+
+    @T.macro
+    def dq_step(i, ds_buf, K_shared, ds_shared, dq_shared, dq_full, dq_empty, dq):
+        # The step's dQ by this warpgroup: its GEMM, then the tile to shared memory and over to
+        # producer warp 1.
+        dq_gemm(ds_buf, K_shared, ds_shared, dq)
+        T.wait_wgmma(0)
+        slot = i % dq_stages
+        T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
+        dq_store(slot, dq, dq_shared)
+        T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
+        T.barrier_arrive(dq_full[slot])
 
     @T.macro
     def dq_reduce_ordered(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum, ready, s_lo):
@@ -979,7 +980,7 @@ def flash_bwd(
 
     @T.macro
     def dq_reduce(i, h, k, tx, seq, dq_full, dq_empty, dq_shared, dQ_accum):
-        # Producer warp 1, step i: add the dQᵀ tile of query head h, query block k into
+        # Producer warp 1, step i: add the dQ tile of query head h, query block k into
         # dQ_accum. Waiting until the reduce-add has read the tile, then arriving on dq_empty,
         # hands the buffer back.
         slot = i % dq_stages
@@ -995,8 +996,9 @@ def flash_bwd(
         T.barrier_arrive(dq_empty[slot])
 
     @T.macro
-    def step(wg, i, k, bx, seq, shared, barriers, frags):
-        # One step of consumer warpgroup wg: query block k (of its head) against its 64 keys.
+    def step(wg, i, k, bx, seq, shared, barriers, frags, with_step_dq):
+        # One step of consumer warpgroup wg: query block k (of its head) against its 64 keys;
+        # ``with_step_dq``: this warpgroup computes the step's dQ.
         K_shared, V_shared, Q_shared, dO_shared, lse_shared, delta_shared, ds_shared, dq_shared = (
             shared
         )
@@ -1021,29 +1023,24 @@ def flash_bwd(
             # then wait for the other warpgroup's half.
             T.fence_proxy_async()
             T.sync_threads(DS_READY, consumers)
-            dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-            T.wait_wgmma(len(dq))  # dV is done: dO is free (the dQᵀ GEMMs may still run)
-            T.barrier_arrive(do_empty[stage])
-            dk_update(stage, ds_cast, Q_shared, dk)
-            T.wait_wgmma(1)  # dQᵀ is done: to shared memory for the reduce-add
-            slot = i % dq_stages
-            T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-            dq_store(wg, slot, dq, dq_shared)
-            T.fence_proxy_async()  # the TMA reduce-add reads dq_shared (async proxy)
-            T.barrier_arrive(dq_full[slot])
-        else:  # dK right behind dV
-            dk_update(stage, ds_cast, Q_shared, dk)
-            T.wait_wgmma(1)  # dV is done: dO is free
-            T.barrier_arrive(do_empty[stage])
+        dk_update(stage, ds_cast, Q_shared, dk)  # dK right behind dV
+        T.wait_wgmma(1)  # dV is done: dO is free
+        T.barrier_arrive(do_empty[stage])
         T.wait_wgmma(0)  # dK is done: Q is free
         T.barrier_arrive(q_empty[stage])
+        if with_dq:
+            # On this warpgroup's turn, the step's dQ: its accumulator takes the registers Pᵀ
+            # and dSᵀ held, and no GEMM is in flight across the branch (ptxas would serialise
+            # every WGMMA).
+            if with_step_dq:
+                dq_step(i, ds_buf, K_shared, ds_shared, dq_shared, dq_full, dq_empty, dq)
 
     @T.macro
-    def idle_step(wg, i, shared, barriers, dq):
+    def idle_step(wg, i, shared, barriers, dq, with_step_dq):
         # A step whose queries see none of this warpgroup's keys (a window's edge): its part of
-        # dSᵀ is 0, so it zeroes that part, skips its four other GEMMs (half the tensor-core
-        # work of the step is left to the other warpgroup) and computes only its share of dQᵀ,
-        # which the other warpgroup's keys feed. It needs no Q or dO, and frees them at once.
+        # dSᵀ is 0, so it zeroes that part and skips its four GEMMs (half the tensor-core work
+        # of the step is left to the other warpgroup); on its turn it still computes the step's
+        # dQ, which the other warpgroup's keys feed. It needs no Q or dO, and frees them at once.
         # (``with_dq=False``: it only frees them.)
         K_shared, ds_shared, dq_shared = shared[0], shared[6], shared[7]
         q_empty, do_empty, dq_full, dq_empty = barriers[3:]
@@ -1063,13 +1060,8 @@ def flash_bwd(
                 ds_shared[ds_buf, r0 + r, c] = T.cast(0, dtype)
             T.fence_proxy_async()
             T.sync_threads(DS_READY, consumers)
-            dq_gemm(wg, ds_buf, K_shared, ds_shared, dq)
-            T.wait_wgmma(0)
-            slot = i % dq_stages
-            T.mbarrier_wait_parity(dq_empty[slot], ((i // dq_stages) & 1) ^ 1)
-            dq_store(wg, slot, dq, dq_shared)
-            T.fence_proxy_async()
-            T.barrier_arrive(dq_full[slot])
+            if with_step_dq:
+                dq_step(i, ds_buf, K_shared, ds_shared, dq_shared, dq_full, dq_empty, dq)
 
     @T.macro
     def epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV):
@@ -1091,6 +1083,24 @@ def flash_bwd(
                 dK[at] = K_shared[r0 + r, c]
 
     @T.macro
+    def walk_step(wg, bx, by, seq, q_start, n_blocks, shared, barriers, frags, i, with_step_dq):
+        # Step i of consumer warpgroup wg's walk; ``with_step_dq``: it computes the step's dQ.
+        _, k = step_coords(by, q_start, n_blocks, i)
+        if skip_idle:
+            # At a window's edges a step's queries may see none of this warpgroup's keys
+            # (query_block_range's edges, per warpgroup), or its keys may lie past Sk.
+            first_key = bx * block_M + wg * wg_keys
+            seen = first_key < seq.kv_len and first_key + wg_keys - 1 >= k * block_N + seq.lo
+            if right >= 0:
+                seen = seen and first_key <= k * block_N + block_N - 1 + seq.hi
+            if seen:
+                step(wg, i, k, bx, seq, shared, barriers, frags, with_step_dq)
+            else:
+                idle_step(wg, i, shared, barriers, frags[-1], with_step_dq)
+        else:
+            step(wg, i, k, bx, seq, shared, barriers, frags, with_step_dq)
+
+    @T.macro
     def consumer_warpgroup(wg, bx, by, seq, q_start, n_blocks, shared, barriers, dK, dV, part=None):
         # Consumer warpgroup wg: keys wg·64 … wg·64+63 of the block. Each warpgroup is its own
         # code path, so every shared-memory offset in its WGMMA descriptors is a constant.
@@ -1102,26 +1112,33 @@ def flash_bwd(
         ds_cast = T.alloc_fragment([wg_keys, block_N], dtype)
         dk = T.alloc_fragment([wg_keys, dim], accum_dtype)
         dv = T.alloc_fragment([wg_keys, dim], accum_dtype)
-        dq = alloc_dq() if with_dq else ()
+        dq = T.alloc_fragment([dq_rows, dq_cols], accum_dtype) if with_dq else None
         T.clear(dk)
         T.clear(dv)
         T.mbarrier_wait_parity(kv_full, 0)
         frags = (acc_s, acc_dp, acc_s_cast, ds_cast, dk, dv, dq)
-        for i in T.serial(step_count(n_blocks)):
-            _, k = step_coords(by, q_start, n_blocks, i)
-            if skip_idle:
-                # At a window's edges a step's queries may see none of this warpgroup's keys
-                # (query_block_range's edges, per warpgroup), or its keys may lie past Sk.
-                first_key = bx * block_M + wg * wg_keys
-                seen = first_key < seq.kv_len and first_key + wg_keys - 1 >= k * block_N + seq.lo
-                if right >= 0:
-                    seen = seen and first_key <= k * block_N + block_N - 1 + seq.hi
-                if seen:
-                    step(wg, i, k, bx, seq, shared, barriers, frags)
-                else:
-                    idle_step(wg, i, shared, barriers, dq)
-            else:
-                step(wg, i, k, bx, seq, shared, barriers, frags)
+        walk = (wg, bx, by, seq, q_start, n_blocks, shared, barriers, frags)
+        n_steps = step_count(n_blocks)
+        if consumers == 128 or not with_dq:  # one warpgroup computes every step's dQ, or none
+            for i in T.serial(n_steps):
+                walk_step(*walk, i, with_dq)
+        elif packed:
+            # The warpgroups take turns at the step's dQ, warpgroup 0 on even steps and 1 on odd
+            # ones, here as a branch on the step (the unrolled loop below spills in the packed
+            # kernel, whose run-time offsets take the registers).
+            for i in T.serial(n_steps):
+                walk_step(*walk, i, i % 2 == wg)
+        else:
+            # The same turns, two steps a turn of the loop, so that each call's role is a
+            # constant: the branch on the step measured 2-10% slower at D = 128
+            # (benchmarks/results/bwd_schedule_trials.md, last section).
+            for i2 in T.serial(n_steps // 2):
+                walk_step(*walk, 2 * i2, wg == 0)
+                walk_step(*walk, 2 * i2 + 1, wg == 1)
+            # An even number of walked heads makes n_steps even (stated here: TileLang 0.1.15
+            # fails to build the provably empty branch when n_blocks is a run-time value).
+            if walked % 2 == 1 and n_steps % 2 == 1:
+                walk_step(*walk, n_steps - 1, wg == 0)
         for r, c in T.Parallel(wg_keys, dim):
             dk[r, c] = dk[r, c] * softmax_scale
         first_key = bx * block_M + wg * wg_keys
@@ -1182,7 +1199,7 @@ def flash_bwd(
         do_full = T.alloc_barrier([32] * num_stages)
         q_empty = T.alloc_barrier([consumers] * num_stages)
         do_empty = T.alloc_barrier([consumers] * num_stages)
-        dq_full = T.alloc_barrier([consumers] * dq_stages)
+        dq_full = T.alloc_barrier([128] * dq_stages)  # the threads of the warpgroup computing dQ
         dq_empty = T.alloc_barrier([32] * dq_stages)
 
         edges = (left, right, seq.hi, seq.lo)
@@ -1235,7 +1252,7 @@ def flash_bwd(
                     )
                     T.barrier_arrive(do_full[stage])
             elif with_dq and tx < consumers + 64:
-                # Warp 1: add each step's dQᵀ tile into dQ_accum (padded queries add zeros:
+                # Warp 1: add each step's dQ tile into dQ_accum (padded queries add zeros:
                 # their P is 0).
                 reduce = (tx, seq, dq_full, dq_empty, dq_shared, dQ_accum)
                 if packed and groups > 1:
@@ -1507,28 +1524,23 @@ def flash_bwd_post(
     batch, heads, seq_q, seq_q_pad, dim, softmax_scale, dtype="float16", block=64, layout="bshd"
 ):
     """dQ = softmax_scale · dQ_accum, back in [B, Sq, H, D] order: ``dQ_accum`` holds, per query
-    block of ``block`` (the backward's ``block_N``), the float32 dQᵀ tile in the order the
-    backward's two consumer warpgroups stored it (``accumulator_index``).
+    block of ``block`` (the backward's ``block_N``), the float32 dQ tile (``dq_form``) in the
+    order the backward's consumer warpgroup stored it (``accumulator_index``).
 
     ``layout="thd"``: packed sequences (``batch``, ``seq_q``, ``seq_q_pad`` None: dynamic), the
     tiles at each sequence's ``tile_start``; only a tile's rows inside its sequence are
     written (the rest of the box would be the next sequence's rows)."""
     accum_dtype = "float32"
-    dq_split_dim, dq_rows, dq_cols = dq_split(dim, block)
-    half = dq_rows * dq_cols
+    dq_transposed = dq_form(dim, block)[0]
 
     def tile_index(i, d):
-        """Where query i, head dim d (dQᵀ: row d, column i) sits in its dQᵀ tile."""
-        if dq_split_dim:
-            return (d // dq_rows) * half + accumulator_index(d % dq_rows, i)
-        return (i // dq_cols) * half + accumulator_index(d, i % dq_cols)
+        """Where query i, head dim d sits in its dQ tile (``dq_form``: dQ or dQᵀ)."""
+        return accumulator_index(d, i) if dq_transposed else accumulator_index(i, d)
 
     def tile_coords(t):
-        """(query i, head dim d) at position t of a dQᵀ tile: the inverse of ``tile_index``."""
-        r, c = accumulator_coords(t % half)
-        if dq_split_dim:
-            return c, t // half * dq_rows + r
-        return t // half * dq_cols + c, r
+        """(query i, head dim d) at position t of a dQ tile: the inverse of ``tile_index``."""
+        r, c = accumulator_coords(t)
+        return (c, r) if dq_transposed else (r, c)
 
     if layout == "thd":
         total_q, batch, n_tiles = T.dynamic("total_q, batch, n_tiles")
@@ -1575,7 +1587,7 @@ def flash_bwd_post(
             T.annotate_layout({dq_out: tilelang.layout.make_swizzled_layout(dq_out)})
             T.copy(dQ_accum[bz, by, bx, :], tile)  # one contiguous block
             for t in T.Parallel(dim * block):  # in tile order: a warp reads 32 floats in a row
-                i, d = tile_coords(t)  # query i, head dim d (dQᵀ: row d, column i)
+                i, d = tile_coords(t)  # query i, head dim d
                 dq_out[i, d] = tile[t] * softmax_scale
             T.copy(dq_out, seq_rows(dQ, layout, bz, by, bx * block, block))
 
@@ -1716,11 +1728,16 @@ def default_config(dim, arch="sm_90a", grid=None):
     second tile frees the consumers from waiting for the reduce-add, but that wait is short.
     Adding dQ with vector atomics straight from registers instead of the reduce-add lost
     clearly (kernel alone, with the earlier transposed dQ tile: D128 423 against 516, causal
-    395 against 453, D64 397 against 472). The measured choice is the same with and without
-    ``causal``. A third Q/dO stage at D=128 (226 KB of shared memory, no spills) measured level
-    or slower on 2026-11-23: 0.99-1.01x at S4096 and S8192, 0.97-0.98x at S16384 (bf16, 570
-    against 579 TFLOP/s). On the window-1024 sink backward (D128, bf16, H32/Hkv8 B2 S8192 and
-    B4 S4096, ordered store; 2026-11-27, five interleaved rounds) two dQ tiles measured
+    395 against 453, D64 397 against 472), and lost again with the tile in ``dq_form``'s shape,
+    where each thread's four adjacent floats go out as one 16-byte ``red.global.add.v4.f32``
+    and the tile's trip through shared memory is gone (2026-11-28, bf16, one process: 0.94-0.97x
+    on six D64 and D128 rows, e.g. B4 H32 S4096 D128 517 against 547 TFLOP/s). The measured
+    choice is the same with and without ``causal``. A third Q/dO stage at D=128 (226 KB of
+    shared memory, no spills) measured level or slower on 2026-11-23: 0.99-1.01x at S4096 and
+    S8192, 0.97-0.98x at S16384 (bf16, 570 against 579 TFLOP/s); in the shared memory the
+    register atomics free it lost to two stages again (2026-11-28: 0.94-0.98x without a mask).
+    On the window-1024 sink backward (D128, bf16, H32/Hkv8 B2 S8192 and B4 S4096, ordered
+    store; 2026-11-27, five interleaved rounds) two dQ tiles measured
     1.010-1.012x, within the run's noise, and 80 queries a step 0.976-0.984x: both stay off.
 
     The grid is one thread block per (key block, kv head, batch entry). A persistent grid (one
@@ -1897,9 +1914,10 @@ def grid_interleave(
 
 
 def tune_configs(dim):
-    """The space ``--tune`` compares: queries a step, one or two dQ tiles (80 queries leave
-    shared memory for one)."""
-    pairs = ((128, 1), (128, 2)) if dim <= 64 else ((64, 1), (64, 2), (80, 1))
+    """The space ``--tune`` compares: one or two dQ tiles in shared memory. (80 queries a step
+    at D = 128, FlashAttention-3's choice for non-causal, measured level with the earlier
+    two-part dQ; with dQ in one warpgroup its tile has no 64-row side for ``dq_form``.)"""
+    pairs = ((128, 1), (128, 2)) if dim <= 64 else ((64, 1), (64, 2))
     return [
         dict(block_M=128, block_N=bn, num_stages=2, dq_stages=n, head_splits=1, interleave=1)
         for bn, n in pairs
@@ -1993,7 +2011,7 @@ def run_backward(
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
-    # dQᵀ tiles, float32, one per query block: the backward kernel's reduce-adds land here,
+    # dQ tiles, float32, one per query block: the backward kernel's reduce-adds land here,
     # after the prep has zeroed them or a first launch has stored them (store_stride).
     n_blocks = seq_q_pad // cfg["block_N"]
     dq_accum = torch.empty(B, H, n_blocks, D * cfg["block_N"], dtype=torch.float32, device=q.device)
@@ -2087,7 +2105,7 @@ def run_backward_varlen(
     # the tiles between sequences are never read.
     delta = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(H, n_tiles, block_N, dtype=torch.float32, device=q.device)
-    # dQᵀ tiles, float32, one per query tile: a sum of reduce-adds, zeroed by the prep (every
+    # dQ tiles, float32, one per query tile: a sum of reduce-adds, zeroed by the prep (every
     # sequence's tiles; the tiles between sequences are never read).
     dq_accum = torch.empty(n_tiles, H, D * block_N, dtype=torch.float32, device=q.device)
     prep = flash_bwd_prep(None, H, None, None, D, dtype, block_N, "thd")
