@@ -998,7 +998,7 @@ def flash_bwd(
     @T.macro
     def step(wg, i, k, bx, seq, shared, barriers, frags, with_step_dq):
         # One step of consumer warpgroup wg: query block k (of its head) against its 64 keys;
-        # ``with_step_dq``: this warpgroup computes the step's dQ.
+        # ``with_step_dq``: this warpgroup computes the step's dQ (never without ``with_dq``).
         K_shared, V_shared, Q_shared, dO_shared, lse_shared, delta_shared, ds_shared, dq_shared = (
             shared
         )
@@ -1028,12 +1028,11 @@ def flash_bwd(
         T.barrier_arrive(do_empty[stage])
         T.wait_wgmma(0)  # dK is done: Q is free
         T.barrier_arrive(q_empty[stage])
-        if with_dq:
+        if with_step_dq:
             # On this warpgroup's turn, the step's dQ: its accumulator takes the registers Pᵀ
             # and dSᵀ held, and no GEMM is in flight across the branch (ptxas would serialise
             # every WGMMA).
-            if with_step_dq:
-                dq_step(i, ds_buf, K_shared, ds_shared, dq_shared, dq_full, dq_empty, dq)
+            dq_step(i, ds_buf, K_shared, ds_shared, dq_shared, dq_full, dq_empty, dq)
 
     @T.macro
     def idle_step(wg, i, shared, barriers, dq, with_step_dq):
