@@ -1725,6 +1725,9 @@ def default_config(dim, arch="sm_90a", grid=None):
     444 against 443); D=64 takes 128. One dQ tile beat two at D=128 (525 against 515 TFLOP/s,
     S8192 547 against 530, causal 435 against 438) and is level at D=64 (462 against 456): the
     second tile frees the consumers from waiting for the reduce-add, but that wait is short.
+    With each step's dQ from one warpgroup, two tiles at D=128 measured level again (2026-11-28,
+    kernel alone, five rounds in one process: 0.984-1.019x on six rows, e.g. B2 H32 S8192 bf16
+    582 against 571 TFLOP/s, B4 S4096 563 against 572).
     Adding dQ with vector atomics straight from registers instead of the reduce-add lost
     clearly (kernel alone, with the earlier transposed dQ tile: D128 423 against 516, causal
     395 against 453, D64 397 against 472), and lost again with the tile in ``dq_form``'s shape,
