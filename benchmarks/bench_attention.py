@@ -20,7 +20,7 @@ README shows) and ``<out>/<mode>.png``
 Each JSON records the command and the UTC time of its run, and the tables say them.
 
     python benchmarks/bench_attention.py --out benchmarks/results --modes fwd bwd bwd_gqa
-    python benchmarks/bench_attention.py --render bwd_d128.json bwd_d64.json --out results
+    python benchmarks/bench_attention.py --render bwd_d128_*.json bwd_d64_*.json --out results
 """
 
 import argparse
