@@ -13,9 +13,10 @@ Each of our rows is checked against cuDNN's output (or gradients) before it is t
 wrong kernel cannot make the table.
 
 Writes ``<out>/<mode>.json`` (one record per implementation and shape; bwd.json holds the
-"fwd+bwd" rows too, bwd_gqa.json the "fwd+bwd_gqa" ones), ``<out>/<mode>.md`` (the tables the
-README shows) and ``<out>/<mode>.png``
-(TFLOP/s against S, one line per implementation; fwd_bwd.png for the training step).
+"fwd+bwd" rows too, bwd_gqa.json the "fwd+bwd_gqa" ones; written again after every shape, so a
+run cut short keeps the rows it finished), ``<out>/<mode>.md`` (the tables the README shows)
+and ``<out>/<mode>.png`` (TFLOP/s against S, one line per implementation; fwd_bwd.png for the
+training step).
 ``--render`` rebuilds the tables and plots from saved JSON files (several partial runs merge).
 Each JSON records the command and the UTC time of its run, and the tables say them.
 
@@ -106,13 +107,23 @@ def build_gqa_backward(gqa, B, H, S, D, causal, dtype):
     gqa.flashattn_bwd_postprocess_kv(B, Hkv, S, D, 1, dtype)
 
 
-def forward_rows(dims, dtypes, seqlens, build_only=False):
+def timed_rows(shapes, time_shape, save):
+    """The rows of ``time_shape`` for each shape in turn, handing the rows so far to ``save``
+    after each one."""
+    rows = []
+    for shape in shapes:
+        rows += time_shape(*shape)
+        save(rows)
+    return rows
+
+
+def forward_rows(dims, dtypes, seqlens, build_only=False, save=lambda rows: None):
     mha = load("examples/flash_attention/example_mha_fwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
     prebuild(lambda *shape: build_forward(mha, *shape), shapes)
     if build_only:
         return []
-    return [row for shape in shapes for row in forward_shape(mha, *shape)]
+    return timed_rows(shapes, lambda *shape: forward_shape(mha, *shape), save)
 
 
 def forward_shape(mha, B, H, S, D, causal, dtype_name):
@@ -133,7 +144,7 @@ def forward_shape(mha, B, H, S, D, causal, dtype_name):
     ]
 
 
-def backward_rows(dims, dtypes, seqlens, build_only=False):
+def backward_rows(dims, dtypes, seqlens, build_only=False, save=lambda rows: None):
     fast = load("examples/flash_attention/example_mha_bwd_wgmma_pipelined.py")
     plain = load("examples/flash_attention/example_mha_bwd_bshd.py")
     shapes = sweep(dims, dtypes, seqlens)
@@ -141,10 +152,10 @@ def backward_rows(dims, dtypes, seqlens, build_only=False):
     if build_only:
         return []
     impls = {"tilelang": fast, "tilelang plain": plain}
-    return [row for shape in shapes for row in backward_shape(impls, None, *shape)]
+    return timed_rows(shapes, lambda *shape: backward_shape(impls, None, *shape), save)
 
 
-def gqa_backward_rows(dims, dtypes, seqlens, build_only=False):
+def gqa_backward_rows(dims, dtypes, seqlens, build_only=False, save=lambda rows: None):
     gqa = load("examples/flash_attention/example_gqa_bwd.py")
     shapes = sweep(dims, dtypes, seqlens)
     prebuild(lambda *shape: build_gqa_backward(gqa, *shape), shapes)
@@ -158,7 +169,7 @@ def gqa_backward_rows(dims, dtypes, seqlens, build_only=False):
             self.attention = lambda q, k, v, c, s: gqa.attention(q, k, v, c, s, name)
 
     impls = {"tilelang": Strategy("group"), "tilelang atomic": Strategy("atomic")}
-    return [row for shape in shapes for row in backward_shape(impls, HEADS_KV, *shape)]
+    return timed_rows(shapes, lambda *shape: backward_shape(impls, HEADS_KV, *shape), save)
 
 
 def backward_shape(impls, heads_kv, B, H, S, D, causal, dtype_name):
@@ -324,12 +335,17 @@ def main(argv=None):
     runners = {"fwd": forward_rows, "bwd": backward_rows, "bwd_gqa": gqa_backward_rows}
     for mode in args.modes:
         start = harness.utc_now()
-        rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only)
+        path = args.out / f"{mode}{args.tag}.json"
+
+        def save(rows, start=start, path=path):
+            record = {"device": device, **harness.run_stamp(command, start), "rows": rows}
+            path.write_text(json.dumps(record, indent=1))
+            return record
+
+        rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only, save)
         if args.build_only:
             continue
-        record = {"device": device, **harness.run_stamp(command, start), "rows": rows}
-        with open(args.out / f"{mode}{args.tag}.json", "w") as f:
-            json.dump(record, f, indent=1)
+        record = save(rows)
         print(render(rows, args.out, device, record["date"], [harness.run_line(record)]))
 
 
