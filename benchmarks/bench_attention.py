@@ -339,7 +339,9 @@ def main(argv=None):
 
         def save(rows, start=start, path=path):
             record = {"device": device, **harness.run_stamp(command, start), "rows": rows}
-            path.write_text(json.dumps(record, indent=1))
+            partial = path.with_suffix(".part")  # a run killed mid-write keeps the last file
+            partial.write_text(json.dumps(record, indent=1))
+            partial.replace(path)
             return record
 
         rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only, save)
