@@ -109,7 +109,7 @@ def build_gqa_backward(gqa, B, H, S, D, causal, dtype):
 
 def timed_rows(shapes, time_shape, save):
     """The rows of ``time_shape`` for each shape in turn, handing the rows so far to ``save``
-    after each one."""
+    after each one (``harness.write_record``)."""
     rows = []
     for shape in shapes:
         rows += time_shape(*shape)
@@ -339,10 +339,7 @@ def main(argv=None):
 
         def save(rows, start=start, path=path):
             record = {"device": device, **harness.run_stamp(command, start), "rows": rows}
-            partial = path.with_suffix(".part")  # a run killed mid-write keeps the last file
-            partial.write_text(json.dumps(record, indent=1))
-            partial.replace(path)
-            return record
+            return harness.write_record(path, record)
 
         rows = runners[mode](args.dims, args.dtypes, args.seqlens, args.build_only, save)
         if args.build_only:

@@ -23,8 +23,9 @@ FLOPs count the useful work of the packed batch (summed per sequence, as docs/CO
 says) for every row of a report, padded peers included, so TFLOP/s compare as times. Each of our
 rows is checked against SDPA FLASH run sequence by sequence before it is timed.
 
-Writes ``<out>/varlen.json`` (one record per implementation and setting) and
-``<out>/varlen.md`` (the tables).
+Writes ``<out>/varlen.json`` (one record per implementation and setting; written again after
+every setting, so a run cut short keeps the rows it finished) and ``<out>/varlen.md`` (the
+tables).
 
     python benchmarks/bench_varlen.py --out benchmarks/results
 """
@@ -32,7 +33,6 @@ Writes ``<out>/varlen.json`` (one record per implementation and setting) and
 import argparse
 import functools
 import importlib.util
-import json
 import math
 import pathlib
 import sys
@@ -307,6 +307,13 @@ def main(argv=None):
     command = harness.command_line("benchmarks/bench_varlen.py", argv)
     start = harness.utc_now()
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+
+    def save(rows):  # after every setting: a run cut short keeps the rows it finished
+        record = {"device": device, **harness.run_stamp(command, start), "lengths": lengths}
+        return harness.write_record(args.out / "varlen.json", {**record, "rows": rows})
+
     rows = []
     for dtype in args.dtypes:
         for causal in (False, True):
@@ -314,13 +321,10 @@ def main(argv=None):
                 rows += forward_rows(fwd, dense, lengths, causal, dtype, dense_seqlens)
             if "bwd" in args.modes:
                 rows += backward_rows(bwd, dense_bwd, lengths, causal, dtype, dense_seqlens)
+            save(rows)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name()
-    record = {"device": device, **harness.run_stamp(command, start), "lengths": lengths}
-    record["rows"] = rows
+    record = save(rows)
     date = record["date"]
-    (args.out / "varlen.json").write_text(json.dumps(record, indent=1))
     table = (
         f"Varlen attention, TFLOP/s of useful work ({device}, {date}; {len(lengths)} sequences "
         f"of random length 1..{MAX_LEN}, {TOKENS} tokens, H{HEADS} D{DIM})\n\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import statistics
 import sys
@@ -262,6 +263,16 @@ def run_stamp(command: str, start: datetime.datetime) -> dict:
     span from ``start`` to now."""
     end = utc_now()
     return {"command": command, "date": str(start.date()), "time": f"{start:%H:%M}–{end:%H:%M} UTC"}
+
+
+def write_record(path, record: dict) -> dict:
+    """A benchmark's JSON ``record`` to ``path`` (a ``pathlib.Path``) through a ``.part`` file
+    renamed over it, so a run killed while writing keeps the last whole file. Benchmarks write
+    after every shape, so a run cut short keeps the rows it finished. Returns ``record``."""
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps(record, indent=1))
+    partial.replace(path)
+    return record
 
 
 def run_line(record: dict) -> str | None:

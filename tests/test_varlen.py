@@ -872,6 +872,15 @@ def test_bench_dense_seqlens():
         bench_varlen.main(["--dense-seqlens", "0"])
 
 
+def stub_bench_gpu(monkeypatch, fake_rows):
+    """bench_varlen without a GPU: no kernels loaded, ``fake_rows(mode)`` for the rows."""
+    monkeypatch.setattr(bench_varlen.harness, "require_gpu", lambda name: None)
+    monkeypatch.setattr(bench_varlen, "load", lambda path: types.SimpleNamespace(fast_bwd=None))
+    monkeypatch.setattr(bench_varlen, "forward_rows", fake_rows("fwd"))
+    monkeypatch.setattr(bench_varlen, "backward_rows", fake_rows("bwd"))
+    monkeypatch.setattr(bench_varlen.torch.cuda, "get_device_name", lambda: "GPU X")
+
+
 def test_bench_records_when_and_how(tmp_path, monkeypatch):
     """bench_varlen's results say which command made them and when (UTC), in varlen.md's
     header and in varlen.json, beside the tables. The GPU parts are stubbed: one forward row and
@@ -887,11 +896,7 @@ def test_bench_records_when_and_how(tmp_path, monkeypatch):
 
         return make
 
-    monkeypatch.setattr(bench_varlen.harness, "require_gpu", lambda name: None)
-    monkeypatch.setattr(bench_varlen, "load", lambda path: types.SimpleNamespace(fast_bwd=None))
-    monkeypatch.setattr(bench_varlen, "forward_rows", fake_rows("fwd"))
-    monkeypatch.setattr(bench_varlen, "backward_rows", fake_rows("bwd"))
-    monkeypatch.setattr(bench_varlen.torch.cuda, "get_device_name", lambda: "GPU X")
+    stub_bench_gpu(monkeypatch, fake_rows)
     bench_varlen.main(["--out", str(tmp_path), "--dtypes", "bfloat16", "--dense-seqlens", "2048"])
     assert rows == {"fwd": 2, "bwd": 2}  # causal and not
     command = (
@@ -903,3 +908,24 @@ def test_bench_records_when_and_how(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "varlen.json").read_text())
     assert record["command"] == command and record["device"] == "GPU X"
     assert re.fullmatch(r"\d\d:\d\d–\d\d:\d\d UTC", record["time"])
+
+
+def test_bench_cut_short_keeps_the_settings_it_finished(tmp_path, monkeypatch):
+    """A bench_varlen run stopped partway (a time limit) leaves varlen.json with the rows of
+    every setting it finished. The GPU parts are stubbed; the backward of the second setting
+    (causal) stops the run."""
+
+    def fake_rows(mode):
+        def make(_kernels, _dense, _lengths, causal, dtype, _seqlens):
+            if mode == "bwd" and causal:
+                raise KeyboardInterrupt  # as a timeout's signal would stop it
+            return [{"mode": mode, "impl": "tilelang varlen", "causal": causal, "dtype": dtype,
+                     "tflops": 500.0, "ms": 1.0, "ours": True}]  # fmt: skip
+
+        return make
+
+    stub_bench_gpu(monkeypatch, fake_rows)
+    with pytest.raises(KeyboardInterrupt):
+        bench_varlen.main(["--out", str(tmp_path), "--dtypes", "bfloat16"])
+    record = json.loads((tmp_path / "varlen.json").read_text())
+    assert [(r["mode"], r["causal"]) for r in record["rows"]] == [("fwd", False), ("bwd", False)]
