@@ -731,21 +731,32 @@ def build_packed(mod, D, causal, groups=1, dtype="float16", **cfg):
 
 
 @pytest.mark.parametrize(
-    "dim,causal,groups", [(128, False, 1), (128, True, 4), (64, False, 4), (64, True, 1)]
+    "dim,causal,groups",
+    [(128, False, 1), (128, True, 1), (128, True, 4), (64, False, 4), (64, True, 1)],
 )
 def test_packed_no_spills_and_fits_shared_memory(dim, causal, groups):
     """The packed kernel (run-time lengths and offsets, the early exit) keeps the dense one's
     promises: ptxas spills nothing, the register split fits, the WGMMA pipeline is not
-    serialized, shared memory fits an H100 thread block; and it is the same schedule."""
+    serialized, shared memory fits an H100 thread block; and it is the same schedule. At
+    D = 128 the loop takes two steps a turn (each warpgroup's two copies of the step, the
+    second guarded where the run-time step count may be odd), a causal walk read from shared
+    memory where thread 0 put it; at D = 64 the turn at dQ is a branch on the step's parity."""
     mod = load_script(FAST)
     kernel = build_packed(mod, dim, causal, groups)
     src = kernel.get_kernel_source()
     assert "flash_bwd_varlen_kernel" in src and "__launch_bounds__(384, 1)" in src
-    # one copy of the step a warpgroup, its turn at dQ a branch on the step's parity
-    assert src.count("wait_wgmma<1>") == 2 * 2 and src.count("wgmma_rs") == 2 * 2
-    assert re.search(r"if \(\(i_\d+ % 2\) == 0\)", src) and re.search(
-        r"if \(\(i_\d+ & 1\) == 1\)", src
-    )
+    if dim == 128:
+        assert src.count("wait_wgmma<1>") == 2 * 2 * 2 and src.count("wgmma_rs") == 2 * 2 * 2
+        # groups (heads walked) times the blocks: with an even group, an even count, no guard
+        guards = re.findall(r"if \(\(\(i2(?:_\d+)? \* 2\) \+ 1\) < ", src)
+        assert len(guards) == (2 if groups % 2 else 0)
+        assert ("int q_start = info[5];" in src) == causal
+    else:
+        assert src.count("wait_wgmma<1>") == 2 * 2 and src.count("wgmma_rs") == 2 * 2
+        assert re.search(r"if \(\(i_\d+ % 2\) == 0\)", src) and re.search(
+            r"if \(\(i_\d+ & 1\) == 1\)", src
+        )
+        assert "int info[5];" in src  # the sequence's offsets, not the walk
     assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 

@@ -54,8 +54,9 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   step less than two warpgroups each computing half of the tile. Its float32 accumulator (64
   registers a thread) does not fit beside dK, dV and the 16-bit Pᵀ and dSᵀ, so dV and dK
   retire first, which also leaves no GEMM in flight where the turn branches (ptxas serialises
-  every WGMMA of a kernel where one is). The dense loop takes two steps a turn, so that each
-  copy of the step knows its role at compile time; the packed kernel branches on the step. The
+  every WGMMA of a kernel where one is). The loop takes two steps a turn, so that each copy of
+  the step knows its role at compile time (packed sequences, whose step count is a run-time
+  value, guard the second; at D = 64 they branch on the step: two copies a turn would spill). The
   dQ tile is the kernel's heaviest shared-memory traffic, so it is stored in the order the
   threads hold it (``accumulator_index``): every thread writes 16 bytes at a time and
   consecutive threads write consecutive addresses, which keeps the stores free of bank
@@ -1121,16 +1122,23 @@ def flash_bwd(
         if consumers == 128 or not with_dq:  # one warpgroup computes every step's dQ, or none
             for i in T.serial(n_steps):
                 walk_step(*walk, i, with_dq)
-        elif packed:
+        elif packed and not mask_every_step:
             # The warpgroups take turns at the step's dQ, warpgroup 0 on even steps and 1 on odd
-            # ones, here as a branch on the step (the unrolled loop below spills in the packed
-            # kernel, whose run-time offsets take the registers).
+            # ones, here as a branch on the step: packed at D = 64, where each step also picks
+            # a masked or a plain copy, two copies a turn (below) would spill.
             for i in T.serial(n_steps):
                 walk_step(*walk, i, i % 2 == wg)
+        elif packed:
+            # The same turns, two steps a turn of the loop (as the dense loop below); the step
+            # count is known at run time only, so the second step of a turn is guarded.
+            for i2 in T.serial((n_steps + 1) // 2):
+                walk_step(*walk, 2 * i2, wg == 0)
+                if 2 * i2 + 1 < n_steps:
+                    walk_step(*walk, 2 * i2 + 1, wg == 1)
         else:
             # The same turns, two steps a turn of the loop, so that each call's role is a
             # constant: the branch on the step measured 2-10% slower at D = 128
-            # (benchmarks/results/bwd_schedule_trials.md, last section).
+            # (benchmarks/results/bwd_schedule_trials.md, last sections).
             for i2 in T.serial(n_steps // 2):
                 walk_step(*walk, 2 * i2, wg == 0)
                 walk_step(*walk, 2 * i2 + 1, wg == 1)
@@ -1296,6 +1304,9 @@ def flash_bwd(
 
     if packed:
         total_q, total_k, batch, n_tiles = T.dynamic("total_q, total_k, batch, n_tiles")
+        # The walk's query blocks are read from shared memory where the loop takes two steps a
+        # turn and the walk depends on the lengths (causal or a window).
+        walk_in_info = mask_every_step and (right >= 0 or left >= 0)
 
         @T.prim_func
         def flash_bwd_varlen(
@@ -1327,8 +1338,9 @@ def flash_bwd(
                 # loop (the dense kernel's are constants), and a shared-memory load where one
                 # is used costs little. Static shared memory, beside the mbarriers, whose
                 # section is padded to 1 KB anyway: the dynamic section of the largest tiles
-                # (block_N = 80) has no 16 bytes left.
-                info = T.alloc_shared([5], "int32", scope="shared")
+                # (block_N = 80) has no 16 bytes left. info[5], info[6]: the walk's query blocks
+                # (walk_in_info).
+                info = T.alloc_shared([7 if walk_in_info else 5], "int32", scope="shared")
                 seq = Rows(
                     q_row=info[0],
                     k_row=info[1],
@@ -1348,8 +1360,19 @@ def flash_bwd(
                         info[2] = seq_len_k
                         info[3] = seq_len_k - seq_len_q
                         info[4] = b
+                        if walk_in_info:
+                            # The walk's query blocks (they depend on the lengths), once here:
+                            # computed by each thread, their operands stay live in the
+                            # consumers' registers, which spills beside the two copies a turn.
+                            offset = seq_len_k - seq_len_q
+                            edges = (left, right, offset + right, offset - left)
+                            q_range = query_block_range(bx, block_M, block_N, seq.q_pad, edges)
+                            info[5], info[6] = q_range
                     T.sync_threads()
-                    thread_block(bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV)
+                    q_range = (info[5], info[6]) if walk_in_info else None
+                    thread_block(
+                        bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, q_range=q_range
+                    )
 
         return flash_bwd_varlen
 
