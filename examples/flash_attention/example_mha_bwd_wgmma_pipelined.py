@@ -50,18 +50,18 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   at D = 128), so a step's dQ is one GEMM by one warpgroup, the two taking turns: a WGMMA
   instruction covers 64 rows of its output and the whole width, reading its B operand once for
   them, so with the tile's larger side as that width the GEMM reads dSᵀ and K once each
-  (``dq_form``: dQ [64 queries, 128] at D = 128, dQᵀ [64, 128 queries] at D = 64), 16 KB a
-  step less than two warpgroups each computing half of the tile. Its float32 accumulator (64
-  registers a thread) does not fit beside dK, dV and the 16-bit Pᵀ and dSᵀ, so dV and dK
-  retire first, which also leaves no GEMM in flight where the turn branches (ptxas serialises
-  every WGMMA of a kernel where one is). The loop takes two steps a turn, so that each copy of
-  the step knows its role at compile time (packed sequences, whose step count is a run-time
-  value, guard the second; at D = 64 they branch on the step, as two copies a turn spill on a
-  causal walk of one head). The dQ tile is the kernel's heaviest shared-memory traffic, so it
-  is stored in the order the threads hold it (``accumulator_index``): every thread writes 16
-  bytes at a time and consecutive threads write consecutive addresses, which keeps the stores
-  free of bank conflicts and makes the tile one contiguous block for the bulk reduce-add; the
-  float32 accumulator keeps that order, one block per query block. dSᵀ is double-buffered in shared
+  (``dq_form``: dQ [64 queries, 128] at D = 128, dQᵀ [64, 128 queries] at D = 64), 16 KB a step
+  less than two warpgroups each computing half of the tile. Its float32 accumulator (64
+  registers a thread) does not fit beside dK, dV and the 16-bit Pᵀ and dSᵀ, so dV and dK retire
+  first, which also leaves no GEMM in flight where the turn branches (ptxas serialises every
+  WGMMA of a kernel where one is). The loop takes two steps a turn, so that each copy of the
+  step knows its role at compile time (packed sequences, whose step count is a run-time value,
+  guard the second; at D = 64 they branch on the step, as two copies a turn spill on a causal
+  walk of one head). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored
+  in the order the threads hold it (``accumulator_index``): every thread writes 16 bytes at a
+  time and consecutive threads write consecutive addresses, which keeps the stores free of bank
+  conflicts and makes the tile one contiguous block for the bulk reduce-add; the float32
+  accumulator keeps that order, one block per query block. dSᵀ is double-buffered in shared
   memory, so the one barrier per step is enough: a warpgroup writes buffer ``i % 2`` at step
   ``i`` only after both passed step ``i − 1``'s barrier, that is, after step ``i − 2``'s dQ
   GEMM, the last reader of that buffer, is done. After the last step, dK and dV go out through
