@@ -828,13 +828,23 @@ def test_tail_split_plan():
     assert plan(1056, 132, 64) == (1056, 0, 1)  # whole waves only
     assert plan(100, 132, 64) == (100, 0, 1)  # one partial wave: the walks run as they are
     assert plan(4096, 132, 15) == (4096, 0, 1)  # parts would be shorter than 8 blocks
+    # A last wave over half the SMs: split only for walks of 1024 steps or more (query blocks
+    # times the group's heads), into the count whose rounds of parts end soonest.
+    assert plan(1024, 132, 256, groups=4) == (924, 100, 9)  # B1 Hkv8 S16384: 7 rounds
+    assert plan(1024, 132, 64, groups=16) == (924, 100, 5)  # 500 parts in 4 rounds
+    assert plan(231, 132, 65, groups=16) == (132, 99, 4)  # 396 parts in 3 rounds
+    assert plan(1024, 132, 64, groups=4) == (1024, 0, 1)  # B4 Hkv8 S4096: 256 steps a walk
+    assert plan(1024, 132, 1024) == (924, 100, 9)
+    assert plan(1024, 132, 512) == (1024, 0, 1)
     assert plan(4096, 132, 64, allowed=False) == (4096, 0, 1)
 
 
 @pytest.mark.parametrize(
     "B, H, groups, splits",
-    [(4, 32, 1, 8), (1, 20, 4, 4)],  # MHA B4 H32; GQA B1 H20 Hkv5: 160 thread blocks
-    ids=["mha", "gqa-groups4"],
+    # MHA B4 H32; GQA B1 H20 Hkv5: 160 thread blocks; GQA B4 H128 Hkv8: 1024, the last 100 in
+    # 5 (walks of 64 query blocks of 16 heads)
+    [(4, 32, 1, 8), (1, 20, 4, 4), (4, 128, 16, 5)],
+    ids=["mha", "gqa-groups4", "gqa-wide-tail"],
 )
 def test_tail_split_builds_clean(B, H, groups, splits):
     """The plain grid with its last wave in parts: one code path (shared memory once), no
@@ -846,7 +856,7 @@ def test_tail_split_builds_clean(B, H, groups, splits):
     mod = load_script(FAST)
     cfg = mod.default_config(128)
     n_thread_blocks = 4096 // cfg["block_M"] * (H // groups) * B
-    tail = (132, *mod.tail_split_plan(n_thread_blocks, 132, 64))
+    tail = (132, *mod.tail_split_plan(n_thread_blocks, 132, 64, groups=groups))
     kernels = mod.backward_kernels(
         4096, 4096, 128, False, 128**-0.5, "float16", cfg, groups, tail=tail
     )

@@ -382,6 +382,30 @@ def test_gradients_match_reference(variant, case, poisoned_empty):
 
 
 @pytest.mark.gpu
+def test_wide_tail_gradients(monkeypatch, poisoned_empty):
+    """A last wave over half the SMs in parts. The split count is only taken for walks of
+    LONG_WALK steps or more, whose grids make a float32 reference of 7 GiB; LONG_WALK is
+    lowered so that a small grid takes it: B1 H52/Hkv13 S2100 D128, 221 thread blocks, the
+    last 89 in 4 parts."""
+    from helpers import rel_err
+
+    mod = load_script(GQA_BWD)
+    monkeypatch.setattr(mod.fast_bwd, "LONG_WALK", 128)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if num_sms != 132:
+        pytest.skip("the case's plan is for 132 SMs")
+    assert mod.fast_bwd.tail_split_plan(221, 132, 33, groups=4) == (132, 89, 4)
+    q, k, v, dout = make_inputs(1, 2100, 2100, 52, 13, 128, 128, torch.bfloat16, "cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = run_attention(mod, "group", q, k, v, causal=False)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = mod.reference_grads(q, k, v, dout, False, 1 / math.sqrt(128))
+    assert rel_err(out, ref[0]) < 1e-2
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref[1:], strict=True):
+        assert rel_err(got, want) < 2e-2, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case",
     [

@@ -115,7 +115,9 @@ wave leaves SMs idle for a whole walk (16k tokens at D = 128 make 4096 walks: 31
 SMs, then 4). Those last walks go in parts over their query blocks instead
 (``tail_split_plan``): each part is one more thread block, walking at least eight query blocks;
 its dQ adds up like any step's, and its dK and dV go out in float32 for
-``flash_bwd_post_tail``, which sums a key block's parts after the postprocess.
+``flash_bwd_post_tail``, which sums a key block's parts after the postprocess. A last wave
+over half the SMs is split only when its walks are long (GQA grids of 1024 walks of 1024
+steps): the earlier waves end at staggered times and already fill part of the gap.
 
 Grouped-query attention needs one change, which is why ``flash_bwd`` takes ``groups``: a thread
 block takes a key block of a kv head and walks the query blocks of each of the group's query
@@ -1465,7 +1467,7 @@ def flash_bwd(
         raise ValueError(f"interleave ({interleave}) must divide the {n_rows} grid rows")
     n_q_blocks = seq_q_pad // block_N
     whole, split_items, splits = tail_split_plan(
-        grid_x * n_rows, num_sms, n_q_blocks, tail_splits > 1
+        grid_x * n_rows, num_sms, n_q_blocks, tail_splits > 1, groups
     )
     if tail_splits > 1 and (
         splits != tail_splits or causal or left >= 0 or right >= 0 or key_stride != 1
@@ -1618,18 +1620,38 @@ def flash_bwd_post(
 
 
 MIN_PART_BLOCKS = 8  # query blocks a part of a split walk takes at least
+LONG_WALK = 1024  # steps (query blocks times the group's heads) a walk needs for a wide tail
+PART_COST = 0.005  # a part's fixed cost (its dK/dV in float32, their sum), in whole walks
 
 
-def tail_split_plan(n_blocks, num_sms, n_q_blocks, allowed=True):
-    """How a grid of ``n_blocks`` equal walks over ``n_q_blocks`` query blocks fills ``num_sms``
-    SMs, one thread block an SM: ``(whole, split_items, splits)``. The walks of a last wave that
-    would leave SMs idle (``n_blocks % num_sms`` of them) are split into ``splits`` parts of at
-    least MIN_PART_BLOCKS query blocks, as many as the SMs take; the first ``whole`` run whole.
-    ``splits`` 1: no split (or not ``allowed``)."""
+def tail_split_plan(n_blocks, num_sms, n_q_blocks, allowed=True, groups=1):
+    """How a grid of ``n_blocks`` equal walks over ``n_q_blocks`` query blocks (of ``groups``
+    heads each) fills ``num_sms`` SMs, one thread block an SM: ``(whole, split_items,
+    splits)``. The walks of a last wave that would leave SMs idle (``n_blocks % num_sms`` of
+    them) are split into ``splits`` parts of at least MIN_PART_BLOCKS query blocks; the first
+    ``whole`` run whole. ``splits`` 1: no split (or not ``allowed``).
+
+    A short last wave is split into as many parts as the SMs take at once. One that fills more
+    than half the SMs cannot be (two parts each would need a second round): it is split only
+    when its walks are at least LONG_WALK steps, into the count whose rounds of parts end
+    soonest, each part costing PART_COST more (100 walks on 132 SMs: 9 parts, 900 parts in 7
+    rounds of a ninth of a walk). Measured on an H100 (2026-11-28, bf16/fp16, one process, nine
+    rounds), GQA grids of 1024 walks without a mask, split ÷ whole: 1.023/1.002 at H32/Hkv8
+    S16384 D128 (walks of 1024 steps), 1.011 at H64/Hkv8 S16384 D64 (1024); at 512 steps
+    0.996/0.994 (S8192 D128, 9 parts) and 1.003 (S8192 D64, 5); at 256 steps 0.979/0.987 (S4096
+    D128, 5 parts), so shorter walks stay whole: the walks of earlier waves end at staggered
+    times, and the parts' fixed costs take what the idle SMs would give back."""
     waves, tail = divmod(n_blocks, num_sms)
     splits = 1
-    if allowed and waves and tail:
-        splits = max(1, min(num_sms // tail, n_q_blocks // MIN_PART_BLOCKS))
+    most = n_q_blocks // MIN_PART_BLOCKS
+    if allowed and waves and tail and num_sms // tail >= 2:
+        splits = max(1, min(num_sms // tail, most))
+    elif allowed and waves and tail and n_q_blocks * groups >= LONG_WALK:
+
+        def finish(s):  # when the last wave's parts end, in whole walks
+            return -(-tail * s // num_sms) / s + s * PART_COST
+
+        splits = min(range(1, max(1, most) + 1), key=finish)
     if splits == 1:
         return n_blocks, 0, 1
     return waves * num_sms, tail, splits
@@ -2053,7 +2075,7 @@ def run_backward(
     if plain and cfg.get("head_splits", 1) == 1 and cfg.get("interleave", 1) == 1:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         n_thread_blocks = -(-Sk // cfg["block_M"]) * Hkv * B
-        plan = tail_split_plan(n_thread_blocks, num_sms, n_blocks)
+        plan = tail_split_plan(n_thread_blocks, num_sms, n_blocks, groups=H // Hkv)
         tail = (num_sms, *plan) if plan[2] > 1 else None
     kernels = backward_kernels(
         Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout, tail
