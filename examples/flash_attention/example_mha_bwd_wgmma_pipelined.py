@@ -1634,13 +1634,14 @@ def tail_split_plan(n_blocks, num_sms, n_q_blocks, allowed=True, groups=1):
     A short last wave is split into as many parts as the SMs take at once. One that fills more
     than half the SMs cannot be (two parts each would need a second round): it is split only
     when its walks are at least LONG_WALK steps, into the count whose rounds of parts end
-    soonest, each part costing PART_COST more (100 walks on 132 SMs: 9 parts, 900 parts in 7
-    rounds of a ninth of a walk). Measured on an H100 (2026-11-28, bf16/fp16, one process, nine
-    rounds), GQA grids of 1024 walks without a mask, split ÷ whole: 1.023/1.002 at H32/Hkv8
-    S16384 D128 (walks of 1024 steps), 1.011 at H64/Hkv8 S16384 D64 (1024); at 512 steps
-    0.996/0.994 (S8192 D128, 9 parts) and 1.003 (S8192 D64, 5); at 256 steps 0.979/0.987 (S4096
-    D128, 5 parts), so shorter walks stay whole: the walks of earlier waves end at staggered
-    times, and the parts' fixed costs take what the idle SMs would give back."""
+    soonest, each part costing PART_COST more (100 walks of 256 query blocks on 132 SMs: 9
+    parts, 900 parts in 7 rounds of a ninth of a walk). Measured on an H100 (2026-11-28,
+    bf16/fp16, one process, nine rounds), GQA grids of 1024 walks without a mask, split ÷ whole:
+    1.023/1.002 at H32/Hkv8 S16384 D128 (walks of 1024 steps), 1.011 at H64/Hkv8 S16384 D64
+    (1024); at 512 steps 0.996/0.994 (S8192 D128, 9 parts) and 1.003 (S8192 D64, 5); at 256
+    steps 0.979/0.987 (S4096 D128, 5 parts), so shorter walks stay whole: the walks of earlier
+    waves end at staggered times, and the parts' fixed costs take what the idle SMs would give
+    back."""
     waves, tail = divmod(n_blocks, num_sms)
     splits = 1
     most = n_q_blocks // MIN_PART_BLOCKS
