@@ -30,18 +30,24 @@ from helpers import load_script  # noqa: E402
 FAMILIES = sys.argv[1:] or ["mha", "tail", "sink", "varlen", "fwd"]
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
-for name, attention, H, Hkv in (("MHA", mha.attention, 2, 2), ("GQA", gqa.attention, 4, 1)):
+# "GQA walk": the group's four heads walked by one thread block of 128 keys, which at D = 64
+# under the diagonal takes its turn at dQ as a branch on the step.
+walk = dict(strategy="group", config=dict(gqa.fast_bwd.default_config(64), head_splits=1))
+families = (("MHA", mha.attention, 2, 2, {}), ("GQA", gqa.attention, 4, 1, {}))
+for name, attention, H, Hkv, kw in families + (("GQA walk", gqa.attention, 4, 1, walk),):
     if "mha" not in FAMILIES:
         break
     # (255, 17), (512, 64): one key block, which sees one query block.
     for D, Sq, Sk in ((64, 200, 333), (128, 200, 333), (128, 255, 17), (64, 512, 64)):
+        if kw and D != 64:
+            continue
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (
             torch.randn(1, S, heads, D, generator=g, device="cuda", dtype=torch.bfloat16)
             for S, heads in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H))
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = attention(q, k, v, causal=True)
+        out = attention(q, k, v, causal=True, **kw)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))

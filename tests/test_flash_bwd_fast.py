@@ -181,6 +181,25 @@ def test_head_splits_build_clean_and_write_float32_parts(dim, block_M, causal):
     assert "(((int)blockIdx.y) & 1) * " in src  # the part: the grid row's low bit
 
 
+@pytest.mark.parametrize("heads,groups,causal", [(32, 8, True), (24, 3, True), (32, 8, False)])
+def test_group_walk_at_d64_causal_branches_on_the_step(heads, groups, causal):
+    """At D = 64 under the diagonal, a thread block walking several heads (128 keys, the whole
+    group) takes one copy of the step a warpgroup, its turn at dQ a branch on the step's parity;
+    without a mask the loop keeps two steps a turn (two copies a warpgroup: the group makes the
+    step count even). Both build clean."""
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(64), block_M=128, head_splits=1)
+    kernel = build(mod, 1, heads, 2048, 64, causal, "bfloat16", groups=groups, **cfg)
+    src = kernel.get_kernel_source()
+    copies = 2 if causal else 4  # dV and dK take P and dS from registers in each copy
+    assert src.count("wgmma_rs") == copies * 2 and src.count("wait_wgmma<1>") == copies * 2
+    parity = re.search(r"if \(\(i_\d+ % 2\) == 0\)", src) and re.search(
+        r"if \(\(i_\d+ & 1\) == 1\)", src
+    )
+    assert bool(parity) == causal
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_head_split_parts_are_summed_in_one_launch(layout, splits):

@@ -413,12 +413,18 @@ def test_wide_tail_gradients(monkeypatch, poisoned_empty):
         (2, 8, 2, 255, 17, 64, True, torch.float16, 64, 4),
         (1, 16, 2, 777, 1000, 128, False, torch.bfloat16, 128, 8),
         (2, 8, 2, 1000, 1000, 128, True, torch.float16, 128, 2),
+        # one thread block walks the whole group, 128 keys: at D = 64 under the diagonal its
+        # turn at dQ is a branch on the step (an odd group: an odd step count, Sq != Sk)
+        (2, 8, 2, 1000, 1000, 64, True, torch.float16, 128, 1),
+        (1, 6, 2, 777, 1000, 64, True, torch.bfloat16, 128, 1),
+        (1, 9, 3, 1000, 555, 64, True, torch.bfloat16, 128, 1),
     ],
     ids=lambda c: f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-causal{c[6]}-splits{c[9]}",
 )
 def test_head_splits_gradients(case, poisoned_empty):
     """The group kernel with its heads shared out over ``head_splits`` thread blocks a key block
-    (float32 dK/dV parts summed after the kernel): gradients against the reference."""
+    (float32 dK/dV parts summed after the kernel), or walked by one (splits 1): gradients
+    against the reference."""
     from helpers import rel_err
 
     mod = load_script(GQA_BWD)

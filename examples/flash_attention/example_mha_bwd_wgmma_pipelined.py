@@ -57,7 +57,8 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   WGMMA of a kernel where one is). The loop takes two steps a turn, so that each copy of the
   step knows its role at compile time (packed sequences, whose step count is a run-time value,
   guard the second; at D = 64 they branch on the step, as two copies a turn spill on a causal
-  walk of one head). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored
+  walk of one head; so does a dense causal walk over several heads at D = 64, where the branch
+  measured faster). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored
   in the order the threads hold it (``accumulator_index``): every thread writes 16 bytes at a
   time and consecutive threads write consecutive addresses, which keeps the stores free of bank
   conflicts and makes the tile one contiguous block for the bulk reduce-add; the float32
@@ -863,6 +864,11 @@ def flash_bwd(
     # selects there measured 8% slower: nvcc branched around each exp2). D = 64 keeps the two
     # selects, which compile branch-free there and measured faster than the compare.
     window_compare = left >= 0 and right >= 0 and dim >= 128
+    # The dense loop takes two steps a turn of the warpgroups at dQ, so that each copy of the
+    # step knows its role at compile time; at D = 64 under the diagonal, a walk over several
+    # heads branches on the step instead: faster there, slower on every other dense walk
+    # (benchmarks/results/bwd_schedule_trials.md, last section).
+    branch_turns = not packed and dim <= 64 and right >= 0 and left < 0 and walked > 1
 
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared, seq):
@@ -1124,11 +1130,13 @@ def flash_bwd(
         if consumers == 128 or not with_dq:  # one warpgroup computes every step's dQ, or none
             for i in T.serial(n_steps):
                 walk_step(*walk, i, with_dq)
-        elif packed and not mask_every_step:
+        elif (packed and not mask_every_step) or branch_turns:
             # The warpgroups take turns at the step's dQ, warpgroup 0 on even steps and 1 on odd
-            # ones, here as a branch on the step: packed at D = 64, where each step also picks
+            # ones, here as a branch on the step. Packed at D = 64, where each step also picks
             # a masked or a plain copy, two copies a turn (below) spill with a causal walk of
             # one head (ptxas: 4 bytes stored, 32 loaded) and are not measured on the others.
+            # Dense at D = 64 with the diagonal and several heads a walk (``branch_turns``), the
+            # branch measured faster than two copies a turn.
             for i in T.serial(n_steps):
                 walk_step(*walk, i, i % 2 == wg)
         elif packed:
