@@ -1,6 +1,7 @@
 """Small ragged causal forwards + backwards of the hand-scheduled kernels — MHA, GQA
 (example_gqa_bwd.py's group strategy, four query heads a kv head, shared out over four thread
-blocks a key block by the small-grid default; each also with a single key block and Sq > Sk),
+blocks a key block by the small-grid default, and at D = 64 also walked by one thread block of
+128 keys; each also with a single key block and Sq > Sk),
 attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges,
 key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused kernel; and
 its forward on a grid of several tiles a thread block) and packed sequences
