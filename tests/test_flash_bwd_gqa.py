@@ -395,10 +395,19 @@ def test_wide_tail_gradients(monkeypatch, poisoned_empty):
     if num_sms != 132:
         pytest.skip("the case's plan is for 132 SMs")
     assert mod.fast_bwd.tail_split_plan(221, 132, 33, groups=4) == (132, 89, 4)
+    built, backward_kernels = [], mod.fast_bwd.backward_kernels
+
+    def kernels_of_the_run(*args, **kwargs):  # what run_backward builds and launches
+        kernels = backward_kernels(*args, **kwargs)
+        built.append(set(kernels))
+        return kernels
+
+    monkeypatch.setattr(mod.fast_bwd, "backward_kernels", kernels_of_the_run)
     q, k, v, dout = make_inputs(1, 2100, 2100, 52, 13, 128, 128, torch.bfloat16, "cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = run_attention(mod, "group", q, k, v, causal=False)
     grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert built and all("flash_bwd_post_tail" in names for names in built), built
     ref = mod.reference_grads(q, k, v, dout, False, 1 / math.sqrt(128))
     assert rel_err(out, ref[0]) < 1e-2
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref[1:], strict=True):
