@@ -1135,8 +1135,7 @@ def flash_bwd(
             # ones, here as a branch on the step. Packed at D = 64, where each step also picks
             # a masked or a plain copy, two copies a turn (below) spill with a causal walk of
             # one head (ptxas: 4 bytes stored, 32 loaded) and are not measured on the others.
-            # Dense at D = 64 with the diagonal and several heads a walk (``branch_turns``), the
-            # branch measured faster than two copies a turn.
+            # Dense: ``branch_turns`` (above).
             for i in T.serial(n_steps):
                 walk_step(*walk, i, i % 2 == wg)
         elif packed:
