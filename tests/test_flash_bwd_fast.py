@@ -156,6 +156,41 @@ def test_single_key_block_causal_builds(dim, seq_q, seq_k, block_M):
     assert_clean_build(kernel, threads, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
 
 
+def test_loops_that_may_not_run_sit_under_a_test():
+    """TileLang 0.1.15 runs a loop whose count is at most 1 but may be 0 once anyway (its
+    simplifier takes the loop's own ``i < count`` for count >= 1): a three-line kernel shows it.
+    A causal grid of three query blocks of 128 (S = 300, 128 keys a thread block) gives the
+    two-steps loop the counts 1, 1 and 0: unguarded, the last key block ran two steps, waited
+    for a Q tile the producer never loads and deadlocked. Both consumer warpgroups now test the
+    count first (``may_run``)."""
+    import tilelang
+    import tilelang.language as T
+
+    import harness
+
+    def tiny(guarded):
+        @T.prim_func
+        def kernel(A: T.Tensor((4,), "float32")):
+            with T.Kernel(3, threads=32) as bx:
+                if guarded:
+                    if (3 - bx) // 2 > 0:
+                        for _ in T.serial((3 - bx) // 2):
+                            A[bx] = A[bx] + 1.0
+                else:
+                    for _ in T.serial((3 - bx) // 2):  # 1, 1, 0
+                        A[bx] = A[bx] + 1.0
+
+        src = tilelang.compile(kernel, target=harness.target_for("sm_90a")).get_kernel_source()
+        return src.split("__launch_bounds__")[-1]  # the kernel's body
+
+    assert "if (" not in tiny(False)  # the body, run by every thread block
+    assert "if (" in tiny(True)
+    mod = load_script(FAST)
+    cfg = dict(mod.default_config(64), block_M=128, block_N=128)
+    src = build(mod, 2, 4, 300, 64, True, "bfloat16", **cfg).get_kernel_source()
+    assert src.count("if (((int)blockIdx.x) < 2) {") == 2, "each consumer tests its steps"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_consumer_warpgroup_builds_clean(causal):
     """block_M = 64 (D = 64): one consumer warpgroup (256 threads) computes every step's dQ;
@@ -962,6 +997,36 @@ def test_two_warpgroups_at_small_grids(case, poisoned_empty):
     explicitly), so that form stays covered on the ragged shapes too."""
     mod = load_script(FAST)
     check_case(mod, case, config=mod.default_config(64))
+
+
+SHORT_WALK_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale)
+    (2, 300, 300, 4, 64, True, torch.float16, 1),  # key blocks walk 3, 2 and 1 query blocks
+    (1, 1000, 300, 4, 64, True, torch.bfloat16, 1),  # the same, and rows that see no key
+    (1, 255, 255, 4, 64, True, torch.bfloat16, 10),  # 2 and 1
+    (2, 150, 150, 4, 128, True, torch.float16, 1),  # 3 and 1 query blocks of 64
+    (1, 100, 150, 4, 128, True, torch.bfloat16, 1),  # 2 and 1
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHORT_WALK_CASES, ids=_case_id)
+def test_short_causal_walks_of_two_warpgroups(case, poisoned_empty):
+    """128 keys a thread block (two consumer warpgroups taking turns at dQ, two steps a turn
+    of the loop) on causal grids of at most three query blocks, where a key block walks one
+    step and the two-steps loop none: these deadlocked before the loops sat under a test
+    (``test_loops_that_may_not_run_sit_under_a_test``)."""
+    mod = load_script(FAST)
+    check_case(mod, case, config=dict(mod.default_config(case[4]), block_M=128))
+
+
+@pytest.mark.gpu
+def test_short_causal_sequences_at_a_large_batch(poisoned_empty):
+    """A large batch of short causal sequences: a grid that fills the GPU, so the default
+    config takes 128 keys a thread block (B64 H16 S300 D64, key blocks walking 3, 2 and 1
+    query blocks)."""
+    mod = load_script(FAST)
+    assert mod.grid_config(64, 64, 16, 16, 300, True, (-1, -1), "cuda")["block_M"] == 128
+    check_case(mod, (64, 300, 300, 16, 64, True, torch.bfloat16, 1))
 
 
 INTERLEAVE_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale), 8 grid rows each

@@ -810,6 +810,13 @@ def flash_bwd(
         """Steps of a thread block: ``n_blocks`` query blocks for each head it walks."""
         return n_blocks if walked == 1 else walked * n_blocks
 
+    def may_run(count):
+        """The test each loop over the steps sits under: TileLang 0.1.15 runs a loop whose
+        count is at most 1 but may be 0 once anyway (its simplifier reads the loop's own
+        ``i < count`` as count >= 1). A dense grid's shape bounds its counts (a causal grid
+        of two or three query blocks bounds some by 1); a packed count is read at run time."""
+        return True if packed else count > 0
+
     def step_coords(by, q_start, n_blocks, i):
         """(query head, query block) of step ``i``: the walked heads one after the other.
         ``ordered_store``: each head's query blocks last to first, so that the tiles this key
@@ -1128,16 +1135,18 @@ def flash_bwd(
         walk = (wg, bx, by, seq, q_start, n_blocks, shared, barriers, frags)
         n_steps = step_count(n_blocks)
         if consumers == 128 or not with_dq:  # one warpgroup computes every step's dQ, or none
-            for i in T.serial(n_steps):
-                walk_step(*walk, i, with_dq)
+            if may_run(n_steps):
+                for i in T.serial(n_steps):
+                    walk_step(*walk, i, with_dq)
         elif (packed and not mask_every_step) or branch_turns:
             # The warpgroups take turns at the step's dQ, warpgroup 0 on even steps and 1 on odd
             # ones, here as a branch on the step. Packed at D = 64, where each step also picks
             # a masked or a plain copy, two copies a turn (below) spill with a causal walk of
             # one head (ptxas: 4 bytes stored, 32 loaded) and are not measured on the others.
             # Dense: ``branch_turns`` (above).
-            for i in T.serial(n_steps):
-                walk_step(*walk, i, i % 2 == wg)
+            if may_run(n_steps):
+                for i in T.serial(n_steps):
+                    walk_step(*walk, i, i % 2 == wg)
         elif packed:
             # The same turns, two steps a turn of the loop (as the dense loop below); the step
             # count is known at run time only, so the second step of a turn is guarded.
@@ -1149,9 +1158,10 @@ def flash_bwd(
             # The same turns, two steps a turn of the loop, so that each call's role is a
             # constant: the branch on the step measured 2-10% slower at D = 128
             # (benchmarks/results/bwd_schedule_trials.md, last sections).
-            for i2 in T.serial(n_steps // 2):
-                walk_step(*walk, 2 * i2, wg == 0)
-                walk_step(*walk, 2 * i2 + 1, wg == 1)
+            if may_run(n_steps // 2):
+                for i2 in T.serial(n_steps // 2):
+                    walk_step(*walk, 2 * i2, wg == 0)
+                    walk_step(*walk, 2 * i2 + 1, wg == 1)
             # An even number of walked heads makes n_steps even (stated here: TileLang 0.1.15
             # fails to build the provably empty branch when n_blocks is a run-time value).
             if walked % 2 == 1 and n_steps % 2 == 1:
@@ -1237,37 +1247,38 @@ def flash_bwd(
                 T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
                 T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
                 T.barrier_arrive(kv_full)
-                for i in T.serial(step_count(n_blocks)):
-                    h, k = step_coords(by, q_start, n_blocks, i)
-                    stage = i % num_stages
-                    phase = (i // num_stages) & 1
-                    # A fresh mbarrier counts as having completed the phase before phase 0,
-                    # so the first wait on an "empty" barrier (parity 1) passes at once.
-                    T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
-                    q_rows = (seq.q_row, h, k * block_N, block_N)
-                    T.tma_copy(
-                        seq_rows(Q, layout, *q_rows),
-                        Q_shared[stage, :, :],
-                        barrier=q_full[stage],
-                    )
-                    T.tma_copy(
-                        stats_tile(lse2, layout, seq.tile, h, k, block_N),
-                        lse_shared[stage, :],
-                        barrier=q_full[stage],
-                    )
-                    T.barrier_arrive(q_full[stage])
-                    T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
-                    T.tma_copy(
-                        seq_rows(dO, layout, *q_rows),
-                        dO_shared[stage, :, :],
-                        barrier=do_full[stage],
-                    )
-                    T.tma_copy(
-                        stats_tile(Delta, layout, seq.tile, h, k, block_N),
-                        delta_shared[stage, :],
-                        barrier=do_full[stage],
-                    )
-                    T.barrier_arrive(do_full[stage])
+                if may_run(step_count(n_blocks)):
+                    for i in T.serial(step_count(n_blocks)):
+                        h, k = step_coords(by, q_start, n_blocks, i)
+                        stage = i % num_stages
+                        phase = (i // num_stages) & 1
+                        # A fresh mbarrier counts as having completed the phase before phase 0,
+                        # so the first wait on an "empty" barrier (parity 1) passes at once.
+                        T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
+                        q_rows = (seq.q_row, h, k * block_N, block_N)
+                        T.tma_copy(
+                            seq_rows(Q, layout, *q_rows),
+                            Q_shared[stage, :, :],
+                            barrier=q_full[stage],
+                        )
+                        T.tma_copy(
+                            stats_tile(lse2, layout, seq.tile, h, k, block_N),
+                            lse_shared[stage, :],
+                            barrier=q_full[stage],
+                        )
+                        T.barrier_arrive(q_full[stage])
+                        T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
+                        T.tma_copy(
+                            seq_rows(dO, layout, *q_rows),
+                            dO_shared[stage, :, :],
+                            barrier=do_full[stage],
+                        )
+                        T.tma_copy(
+                            stats_tile(Delta, layout, seq.tile, h, k, block_N),
+                            delta_shared[stage, :],
+                            barrier=do_full[stage],
+                        )
+                        T.barrier_arrive(do_full[stage])
             elif with_dq and tx < consumers + 64:
                 # Warp 1: add each step's dQ tile into dQ_accum (padded queries add zeros:
                 # their P is 0).
@@ -1282,10 +1293,11 @@ def flash_bwd(
                             dq_reduce(g * n_blocks + kk, by * groups + g, q_start + kk, *reduce)
                 elif ordered_store:
                     s_lo = first_stored_block(bx, block_M, block_N, seq.q_pad, edges)
-                    for i in T.serial(step_count(n_blocks)):
-                        h, k = step_coords(by, q_start, n_blocks, i)
-                        dq_reduce_ordered(i, h, k, *reduce, ready, s_lo)
-                else:
+                    if may_run(step_count(n_blocks)):
+                        for i in T.serial(step_count(n_blocks)):
+                            h, k = step_coords(by, q_start, n_blocks, i)
+                            dq_reduce_ordered(i, h, k, *reduce, ready, s_lo)
+                elif may_run(step_count(n_blocks)):
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
                         dq_reduce(i, h, k, *reduce)
