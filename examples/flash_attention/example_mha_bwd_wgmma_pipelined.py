@@ -810,12 +810,31 @@ def flash_bwd(
         """Steps of a thread block: ``n_blocks`` query blocks for each head it walks."""
         return n_blocks if walked == 1 else walked * n_blocks
 
-    def may_run(count):
-        """The test each loop over the steps sits under: TileLang 0.1.15 runs a loop whose
-        count is at most 1 but may be 0 once anyway (its simplifier reads the loop's own
-        ``i < count`` as count >= 1). A dense grid's shape bounds its counts (a causal grid
-        of two or three query blocks bounds some by 1); a packed count is read at run time."""
-        return True if packed else count > 0
+    def key_block(bx):
+        """The key block of thread block ``bx`` (``key_stride``, ``first_store``)."""
+        if first_store:
+            return bx * key_stride
+        if key_stride == 1:
+            return bx
+        return bx // (key_stride - 1) * key_stride + 1 + bx % (key_stride - 1)
+
+    most_steps = None  # the most steps a thread block walks (packed: known at run time only)
+    if not packed:
+        n_key_blocks = (seq_kv + block_M - 1) // block_M
+        n_stored = (n_key_blocks + key_stride - 1) // key_stride  # key blocks 0, p, 2p, …
+        grid_x = n_stored if first_store or key_stride == 1 else n_key_blocks - n_stored
+        ranges = walked_ranges(seq_q, seq_kv, causal, window, block_M, block_N)
+        launched = range(n_key_blocks) if ordered_store else map(key_block, range(grid_x))
+        most_steps = step_count(max((ranges[kb][1] for kb in launched), default=0))
+
+    def may_run(count, most):
+        """The test a loop over the steps sits under where its count may be 0 and is at most 1
+        (``most``: its largest value in this launch): there TileLang 0.1.15 runs the loop once
+        anyway (its simplifier reads the loop's own ``i < count`` as count >= 1), e.g. the
+        two-steps loop of a causal grid of three query blocks. Elsewhere the test is left out:
+        kept by the compiler, it made ptxas spill on two builds (a wide tail at D = 128, a
+        window's dK/dV launch at D = 64)."""
+        return count > 0 if most is not None and most <= 1 else True
 
     def step_coords(by, q_start, n_blocks, i):
         """(query head, query block) of step ``i``: the walked heads one after the other.
@@ -1135,7 +1154,7 @@ def flash_bwd(
         walk = (wg, bx, by, seq, q_start, n_blocks, shared, barriers, frags)
         n_steps = step_count(n_blocks)
         if consumers == 128 or not with_dq:  # one warpgroup computes every step's dQ, or none
-            if may_run(n_steps):
+            if may_run(n_steps, most_steps):
                 for i in T.serial(n_steps):
                     walk_step(*walk, i, with_dq)
         elif (packed and not mask_every_step) or branch_turns:
@@ -1144,7 +1163,7 @@ def flash_bwd(
             # a masked or a plain copy, two copies a turn (below) spill with a causal walk of
             # one head (ptxas: 4 bytes stored, 32 loaded) and are not measured on the others.
             # Dense: ``branch_turns`` (above).
-            if may_run(n_steps):
+            if may_run(n_steps, most_steps):
                 for i in T.serial(n_steps):
                     walk_step(*walk, i, i % 2 == wg)
         elif packed:
@@ -1158,7 +1177,7 @@ def flash_bwd(
             # The same turns, two steps a turn of the loop, so that each call's role is a
             # constant: the branch on the step measured 2-10% slower at D = 128
             # (benchmarks/results/bwd_schedule_trials.md, last sections).
-            if may_run(n_steps // 2):
+            if may_run(n_steps // 2, most_steps // 2):
                 for i2 in T.serial(n_steps // 2):
                     walk_step(*walk, 2 * i2, wg == 0)
                     walk_step(*walk, 2 * i2 + 1, wg == 1)
@@ -1247,7 +1266,7 @@ def flash_bwd(
                 T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
                 T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
                 T.barrier_arrive(kv_full)
-                if may_run(step_count(n_blocks)):
+                if may_run(step_count(n_blocks), most_steps):
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
                         stage = i % num_stages
@@ -1293,11 +1312,11 @@ def flash_bwd(
                             dq_reduce(g * n_blocks + kk, by * groups + g, q_start + kk, *reduce)
                 elif ordered_store:
                     s_lo = first_stored_block(bx, block_M, block_N, seq.q_pad, edges)
-                    if may_run(step_count(n_blocks)):
+                    if may_run(step_count(n_blocks), most_steps):
                         for i in T.serial(step_count(n_blocks)):
                             h, k = step_coords(by, q_start, n_blocks, i)
                             dq_reduce_ordered(i, h, k, *reduce, ready, s_lo)
-                elif may_run(step_count(n_blocks)):
+                elif may_run(step_count(n_blocks), most_steps):
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
                         dq_reduce(i, h, k, *reduce)
@@ -1401,9 +1420,6 @@ def flash_bwd(
     # head_splits > 1: each part's float32 dK and dV, [head_splits] + the kv shape
     dkv_shape = kv_shape if head_splits == 1 else [head_splits, *kv_shape]
     dkv_dtype = dtype if head_splits == 1 else accum_dtype
-    n_key_blocks = (seq_kv + block_M - 1) // block_M
-    n_stored = (n_key_blocks + key_stride - 1) // key_stride  # key blocks 0, p, 2p, …
-    grid_x = n_stored if first_store or key_stride == 1 else n_key_blocks - n_stored
 
     def rows(bz):
         """The ``Rows`` of batch entry ``bz``."""
@@ -1471,14 +1487,6 @@ def flash_bwd(
                     )  # fmt: skip
 
         return flash_bwd
-
-    def key_block(bx):
-        """The key block of thread block ``bx`` (``key_stride``, ``first_store``)."""
-        if first_store:
-            return bx * key_stride
-        if key_stride == 1:
-            return bx
-        return bx // (key_stride - 1) * key_stride + 1 + bx % (key_stride - 1)
 
     grid_rows = heads_kv * head_splits  # grid rows (kv head, head split) of one batch entry
     n_rows = grid_rows * batch
