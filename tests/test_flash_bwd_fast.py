@@ -191,6 +191,20 @@ def test_loops_that_may_not_run_sit_under_a_test():
     assert src.count("if (((int)blockIdx.x) < 2) {") == 2, "each consumer tests its steps"
 
 
+@pytest.mark.parametrize("seq_q,seq_k,causal", [(150, 150, True), (150, 1000, False)])
+def test_short_walks_at_d128_branch_on_the_step(seq_q, seq_k, causal):
+    """A dense D = 128 walk of at most three query blocks (``branch_turns``): one copy of the
+    step a warpgroup, its turn at dQ a branch on the step. Two steps a turn there, with the odd
+    last step, spilled 140-248 bytes (serializing the WGMMAs where causal)."""
+    import harness
+
+    mod = load_script(FAST)
+    args = (2, 4, seq_q, seq_k, 128, causal, 1 / math.sqrt(128), "bfloat16")
+    kernel = harness.compile_for(mod.flash_bwd, "sm_90a", *args, **mod.default_config(128))
+    assert kernel.get_kernel_source().count("wgmma_rs") == 2 * 2  # dV and dK, one copy each
+    assert_clean_build(kernel, 384, mod.PRODUCER_REGS, mod.CONSUMER_REGS)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_consumer_warpgroup_builds_clean(causal):
     """block_M = 64 (D = 64): one consumer warpgroup (256 threads) computes every step's dQ;

@@ -58,16 +58,17 @@ The schedule, per thread block of ``block_M`` = 128 keys (384 threads):
   step knows its role at compile time (packed sequences, whose step count is a run-time value,
   guard the second; at D = 64 they branch on the step, as two copies a turn spill on a causal
   walk of one head; so does a dense causal walk over several heads at D = 64, where the branch
-  measured faster). The dQ tile is the kernel's heaviest shared-memory traffic, so it is stored
-  in the order the threads hold it (``accumulator_index``): every thread writes 16 bytes at a
-  time and consecutive threads write consecutive addresses, which keeps the stores free of bank
-  conflicts and makes the tile one contiguous block for the bulk reduce-add; the float32
-  accumulator keeps that order, one block per query block. dSᵀ is double-buffered in shared
-  memory, so the one barrier per step is enough: a warpgroup writes buffer ``i % 2`` at step
-  ``i`` only after both passed step ``i − 1``'s barrier, that is, after step ``i − 2``'s dQ
-  GEMM, the last reader of that buffer, is done. After the last step, dK and dV go out through
-  K's and V's shared-memory buffers, so that they are written as 16-byte row vectors (straight
-  from registers they would fill half of each 32-byte sector).
+  measured faster, and a dense walk of at most three steps at D = 128, where the two copies and
+  the odd last step, inlined in a row, spill). The dQ tile is the kernel's heaviest shared-memory
+  traffic, so it is stored in the order the threads hold it (``accumulator_index``): every thread
+  writes 16 bytes at a time and consecutive threads write consecutive addresses, which keeps the
+  stores free of bank conflicts and makes the tile one contiguous block for the bulk reduce-add;
+  the float32 accumulator keeps that order, one block per query block. dSᵀ is double-buffered in
+  shared memory, so the one barrier per step is enough: a warpgroup writes buffer ``i % 2`` at
+  step ``i`` only after both passed step ``i − 1``'s barrier, that is, after step ``i − 2``'s dQ
+  GEMM, the last reader of that buffer, is done. After the last step, dK and dV go out through K's
+  and V's shared-memory buffers, so that they are written as 16-byte row vectors (straight from
+  registers they would fill half of each 32-byte sector).
 - A separate small kernel before (``flash_bwd_prep``) computes ``delta`` and ``lse`` in log2
   units, padded to whole query blocks (padding: ``delta`` 0, ``lse`` +inf, so padded queries
   get P = 0 without a mask, and every TMA box starts 16-byte aligned), and zeroes the float32
@@ -892,9 +893,13 @@ def flash_bwd(
     window_compare = left >= 0 and right >= 0 and dim >= 128
     # The dense loop takes two steps a turn of the warpgroups at dQ, so that each copy of the
     # step knows its role at compile time; at D = 64 under the diagonal, a walk over several
-    # heads branches on the step instead: faster there, slower on every other dense walk
-    # (benchmarks/results/bwd_schedule_trials.md, last section).
-    branch_turns = not packed and dim <= 64 and right >= 0 and left < 0 and walked > 1
+    # heads branches on the step instead: faster there, slower on every other long dense walk
+    # (benchmarks/results/bwd_schedule_trials.md). So does a walk of at most three steps at
+    # D = 128: there the two-steps loop runs at most once, and ptxas, given its two copies of
+    # the step and the odd last one in a row, spilled 140-248 bytes (causal: WGMMAs serialized).
+    branch_turns = not packed and (
+        (dim <= 64 and right >= 0 and left < 0 and walked > 1) or (dim > 64 and most_steps <= 3)
+    )
 
     @T.macro
     def probabilities(wg, k, bx, stage, acc_s, lse_shared, seq):
