@@ -1033,6 +1033,21 @@ def test_short_causal_walks_of_two_warpgroups(case, poisoned_empty):
     check_case(mod, case, config=dict(mod.default_config(case[4]), block_M=128))
 
 
+SHORT_D128_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale): walks of three steps
+    (1, 150, 1000, 4, 128, False, torch.float16, 1),  # two launches (store stride), no mask
+    (2, 1000, 150, 4, 128, True, torch.bfloat16, 1),  # rows that see no key
+    (2, 192, 192, 4, 128, False, torch.bfloat16, 10),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHORT_D128_CASES, ids=_case_id)
+def test_short_walks_at_d128_gradients(case, poisoned_empty):
+    """D = 128 walks of at most three query blocks branch on the step for the turn at dQ
+    (``test_short_walks_at_d128_branch_on_the_step``): causal and not, Sq != Sk both ways."""
+    check_case(load_script(FAST), case)
+
+
 @pytest.mark.gpu
 def test_short_causal_sequences_at_a_large_batch(poisoned_empty):
     """A large batch of short causal sequences: a grid that fills the GPU, so the default
