@@ -1034,7 +1034,7 @@ def test_short_causal_walks_of_two_warpgroups(case, poisoned_empty):
 
 
 SHORT_D128_CASES = [  # (B, Sq, Sk, H, D, causal, dtype, input scale): walks of three steps
-    (1, 150, 1000, 4, 128, False, torch.float16, 1),  # two launches (store stride), no mask
+    (1, 150, 1000, 4, 128, False, torch.float16, 1),  # two launches (store stride), not causal
     (2, 1000, 150, 4, 128, True, torch.bfloat16, 1),  # rows that see no key
     (2, 192, 192, 4, 128, False, torch.bfloat16, 10),
 ]
