@@ -1216,6 +1216,20 @@ def flash_bwd(
             epilogue(wg, by, seq, first_key, K_shared, V_shared, dk, dv, dK, dV)
 
     @T.macro
+    def load_rows(X, stats, X_shared, stats_shared, empty, full, seq, h, k, i):
+        # Producer warp 0, step i: query block k of head h, rows of Q (or dO) with their lse2
+        # (or delta), into the ring's stage once the consumers have freed it. A fresh mbarrier
+        # counts as having completed the phase before phase 0, so the first wait on an "empty"
+        # barrier (parity 1) passes at once.
+        stage = i % num_stages
+        T.mbarrier_wait_parity(empty[stage], ((i // num_stages) & 1) ^ 1)
+        rows = seq_rows(X, layout, seq.q_row, h, k * block_N, block_N)
+        T.tma_copy(rows, X_shared[stage, :, :], barrier=full[stage])
+        tile = stats_tile(stats, layout, seq.tile, h, k, block_N)
+        T.tma_copy(tile, stats_shared[stage, :], barrier=full[stage])
+        T.barrier_arrive(full[stage])
+
+    @T.macro
     def thread_block(
         bx, by, seq, Q, K, V, dO, lse2, Delta, dQ_accum, dK, dV, ready=None, part=None,
         q_range=None,
@@ -1274,35 +1288,10 @@ def flash_bwd(
                 if may_run(step_count(n_blocks), most_steps):
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
-                        stage = i % num_stages
-                        phase = (i // num_stages) & 1
-                        # A fresh mbarrier counts as having completed the phase before phase 0,
-                        # so the first wait on an "empty" barrier (parity 1) passes at once.
-                        T.mbarrier_wait_parity(q_empty[stage], phase ^ 1)
-                        q_rows = (seq.q_row, h, k * block_N, block_N)
-                        T.tma_copy(
-                            seq_rows(Q, layout, *q_rows),
-                            Q_shared[stage, :, :],
-                            barrier=q_full[stage],
+                        load_rows(Q, lse2, Q_shared, lse_shared, q_empty, q_full, seq, h, k, i)
+                        load_rows(
+                            dO, Delta, dO_shared, delta_shared, do_empty, do_full, seq, h, k, i
                         )
-                        T.tma_copy(
-                            stats_tile(lse2, layout, seq.tile, h, k, block_N),
-                            lse_shared[stage, :],
-                            barrier=q_full[stage],
-                        )
-                        T.barrier_arrive(q_full[stage])
-                        T.mbarrier_wait_parity(do_empty[stage], phase ^ 1)
-                        T.tma_copy(
-                            seq_rows(dO, layout, *q_rows),
-                            dO_shared[stage, :, :],
-                            barrier=do_full[stage],
-                        )
-                        T.tma_copy(
-                            stats_tile(Delta, layout, seq.tile, h, k, block_N),
-                            delta_shared[stage, :],
-                            barrier=do_full[stage],
-                        )
-                        T.barrier_arrive(do_full[stage])
             elif with_dq and tx < consumers + 64:
                 # Warp 1: add each step's dQ tile into dQ_accum (padded queries add zeros:
                 # their P is 0).
