@@ -765,7 +765,9 @@ def flash_bwd(
     heads_kv = heads // groups
     # Windows bounded on the left leave a warpgroup idle on some steps (``idle_step``). With
     # D = 64 the second path makes ptxas spill at ragged shapes (44-180 bytes at Sq 1000,
-    # Sk 1300), so there every step runs in full, as without a window.
+    # Sk 1300), so there every step runs in full, as without a window. At D = 128 it makes
+    # some windowed walks of 4-8 steps spill (8-72 bytes) and still wins there
+    # (benchmarks/results/bwd_idle_warpgroup.md).
     skip_idle = left >= 0 and dim >= 128
     if not with_dq and (packed or key_stride != 1 or first_store or ordered_store):
         raise ValueError("with_dq=False is for one launch over the dense layouts")
