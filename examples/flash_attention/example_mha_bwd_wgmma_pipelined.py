@@ -1942,7 +1942,9 @@ def grid_head_splits(block_M, block_N, batch, heads_kv, groups, seq_k, causal, w
     (2026-11-24, eager backward, five rounds; the same file), two splits against none: 1.022×
     (bf16) and 1.025× (fp16) at B1 H32/Hkv8 S16384 D128 (walks of 1024 steps), 1.051× at B1
     H64/Hkv8 S16384 D64 (1024); level at B2 S8192 D128 (512 steps: 0.99×, four splits 1.004×)
-    and B4 S4096 D128 (256: 0.995×, four 0.97×)."""
+    and B4 S4096 D128 (256: 0.995×, four 0.97×). On an H200 (2026-11-28, nine rounds) four or
+    eight splits against two on the S16384 causal rows: 1.003-1.019× at D128, within the rounds'
+    spread, and fewer steps a walk did not pay for its extra float32 dK and dV: the rule stands."""
     blocks = (seq_k + block_M - 1) // block_M * heads_kv * batch
     if windowed or not (causal or blocks <= num_sms // 2):
         return 1
