@@ -787,7 +787,11 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     S=2048 without causal, 192 rows 0.82x (S=1024) and 0.97-0.99x (S=2048) causal; at 192 rows
     three K/V stages 0.97-1.02x and 112-key blocks 0.92-1.01x (144 keys spill); four consumer
     warpgroups on 256x64 tiles 1.00-1.02x at S=1024 without causal, 0.94x at S=2048, and
-    0.92-0.98x the 128-row tiles causal.
+    0.92-0.98x the 128-row tiles causal. Skipping the GEMMs of the warpgroups whose rows all lie
+    past Sq (two of the last query block's three at S=1024), with the query blocks rotated each
+    round so that those short tiles spread over the SMs, measured 1.03-1.04x at S=1024 and
+    0.98x at S=4096 against the same kernel with one Q slot (2026-11-28, H200,
+    benchmarks/results/fwd_schedule_trials.md): 1.01-1.02x this one at S=1024, not kept.
 
     D=256: 64 keys a block, two stages, O staged in the V ring (two stages of 64 keys hold its
     128 rows) and stored by TMA: 1.04-1.12x storing it from registers on eight rows (2026-11-27,
