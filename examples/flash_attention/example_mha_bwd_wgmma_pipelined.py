@@ -1944,7 +1944,7 @@ def grid_head_splits(block_M, block_N, batch, heads_kv, groups, seq_k, causal, w
     H64/Hkv8 S16384 D64 (1024); level at B2 S8192 D128 (512 steps: 0.99×, four splits 1.004×)
     and B4 S4096 D128 (256: 0.995×, four 0.97×). On an H200 (2026-11-28, nine rounds) four or
     eight splits against two on the S16384 causal rows: 1.003-1.019× at D128, within the rounds'
-    spread, and fewer steps a walk did not pay for its extra float32 dK and dV: the rule stands."""
+    spread (benchmarks/results/bwd_head_splits.md, round 4): the rule stands."""
     blocks = (seq_k + block_M - 1) // block_M * heads_kv * batch
     if windowed or not (causal or blocks <= num_sms // 2):
         return 1
