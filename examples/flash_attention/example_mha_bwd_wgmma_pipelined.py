@@ -822,13 +822,15 @@ def flash_bwd(
         return bx // (key_stride - 1) * key_stride + 1 + bx % (key_stride - 1)
 
     most_steps = None  # the most steps a thread block walks (packed: known at run time only)
+    even_walks = False  # every launched key block walks an even number of query blocks
     if not packed:
         n_key_blocks = (seq_kv + block_M - 1) // block_M
         n_stored = (n_key_blocks + key_stride - 1) // key_stride  # key blocks 0, p, 2p, …
         grid_x = n_stored if first_store or key_stride == 1 else n_key_blocks - n_stored
         ranges = walked_ranges(seq_q, seq_kv, causal, window, block_M, block_N)
-        launched = range(n_key_blocks) if ordered_store else map(key_block, range(grid_x))
+        launched = list(range(n_key_blocks) if ordered_store else map(key_block, range(grid_x)))
         most_steps = step_count(max((ranges[kb][1] for kb in launched), default=0))
+        even_walks = all(ranges[kb][1] % 2 == 0 for kb in launched)
 
     def may_run(count, most):
         """The test a loop over the steps sits under where its count may be 0 and is at most 1
@@ -1124,9 +1126,13 @@ def flash_bwd(
                 dK[at] = K_shared[r0 + r, c]
 
     @T.macro
-    def walk_step(wg, bx, by, seq, q_start, n_blocks, shared, barriers, frags, i, with_step_dq):
+    def walk_step(
+        wg, bx, by, seq, q_start, n_blocks, shared, barriers, frags, i, with_step_dq, k=None
+    ):
         # Step i of consumer warpgroup wg's walk; ``with_step_dq``: it computes the step's dQ.
-        _, k = step_coords(by, q_start, n_blocks, i)
+        # k: the step's query block, where the caller knows it without ``step_coords``.
+        if k is None:
+            _, k = step_coords(by, q_start, n_blocks, i)
         if skip_idle:
             # At a window's edges a step's queries may see none of this warpgroup's keys
             # (query_block_range's edges, per warpgroup), or its keys may lie past Sk.
@@ -1180,6 +1186,18 @@ def flash_bwd(
                 walk_step(*walk, 2 * i2, wg == 0)
                 if 2 * i2 + 1 < n_steps:
                     walk_step(*walk, 2 * i2 + 1, wg == 1)
+        elif walked > 1 and even_walks and not ordered_store:
+            # A walk over several heads, each of an even number of query blocks: heads, then
+            # turns, as two loops. A step's query block is then q_start + 2·i2 (+1), where one
+            # loop over the whole walk divides by its length on every step to find it (and
+            # cannot prove the second step of a turn clear of the diagonal for warpgroup 0).
+            half = n_blocks // 2
+            if may_run(half, most_steps // walked // 2):
+                for h in T.serial(walked):
+                    for i2 in T.serial(half):
+                        i = 2 * (h * half + i2)  # the step's place in the walk
+                        walk_step(*walk, i, wg == 0, q_start + 2 * i2)
+                        walk_step(*walk, i + 1, wg == 1, q_start + 2 * i2 + 1)
         else:
             # The same turns, two steps a turn of the loop, so that each call's role is a
             # constant: the branch on the step measured 2-10% slower at D = 128
