@@ -1186,11 +1186,12 @@ def flash_bwd(
                 walk_step(*walk, 2 * i2, wg == 0)
                 if 2 * i2 + 1 < n_steps:
                     walk_step(*walk, 2 * i2 + 1, wg == 1)
-        elif walked > 1 and even_walks and not ordered_store:
-            # A walk over several heads, each of an even number of query blocks: heads, then
-            # turns, as two loops. A step's query block is then q_start + 2·i2 (+1), where one
-            # loop over the whole walk divides by its length on every step to find it (and
-            # cannot prove the second step of a turn clear of the diagonal for warpgroup 0).
+        elif walked > 1 and even_walks and (left >= 0 or right >= 0) and not ordered_store:
+            # A walk over several heads with a diagonal or a window, each head of an even number
+            # of query blocks: heads, then turns, as two loops. A step's query block (which the
+            # mask reads) is then q_start + 2·i2 (+1), where one loop over the whole walk
+            # divides by its length on every step to find it (and cannot prove the second step
+            # of a turn clear of the diagonal for warpgroup 0).
             half = n_blocks // 2
             if may_run(half, most_steps // walked // 2):
                 for h in T.serial(walked):
