@@ -152,8 +152,9 @@ def test_group_strategy_code():
     bwd = src["flash_bwd"]
     assert "atomicAdd" not in bwd and "AtomicAdd" not in bwd
     assert bwd.count("tl::tma_store_add(") == 1 and "wgmma" in bwd
-    # kv head blockIdx.y, group of 4 query heads: the step's head is blockIdx.y * 4 + i / n.
-    assert re.search(r"blockIdx\.y\) \* 4\) \+ \(i_\d+ / ", bwd)
+    # kv head blockIdx.y, group of 4 query heads: the step's head is blockIdx.y * 4 + g, g the
+    # loop over the group (dQ_accum: 131072 floats a head, 4 · 131072 a kv head).
+    assert re.search(r"blockIdx\.y\) \* 524288\)+ \+ \(g_\d+ \* 131072\)", bwd)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

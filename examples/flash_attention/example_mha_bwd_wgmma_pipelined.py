@@ -201,6 +201,7 @@ import example_mha_fwd_bshd as fwd  # noqa: E402  (the sibling forward script)
 
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+NO_UNROLL = {"pragma_unroll_factor": 1}  # a loop nvcc must not unroll
 # The backward kernel splits producer and consumers and synchronises them itself.
 BWD_PASS_CONFIGS = {
     **PASS_CONFIGS,
@@ -831,6 +832,13 @@ def flash_bwd(
         launched = list(range(n_key_blocks) if ordered_store else map(key_block, range(grid_x)))
         most_steps = step_count(max((ranges[kb][1] for kb in launched), default=0))
         even_walks = all(ranges[kb][1] % 2 == 0 for kb in launched)
+    # A dense walk over several heads, in the producer's two warps: heads, then query blocks, as
+    # two loops, so that no step divides by the walk's length to find its head and block. The
+    # blocks' loop stays rolled (unrolled by nvcc, it grew the producer's code fourfold), and
+    # so does warp 0's loop over the heads; warp 1's, rolled, made ptxas spill 8 bytes (B1
+    # H16/Hkv4 S1024 causal). Not with a tail split, whose parts' walks then spilled 8 bytes.
+    nest_heads = not packed and walked > 1 and not ordered_store and tail_splits == 1
+    most_blocks = most_steps // walked if nest_heads else None
 
     def may_run(count, most):
         """The test a loop over the steps sits under where its count may be 0 and is at most 1
@@ -1306,7 +1314,19 @@ def flash_bwd(
                 T.tma_copy(seq_rows(K, layout, *kv_rows), K_shared, barrier=kv_full)
                 T.tma_copy(seq_rows(V, layout, *kv_rows), V_shared, barrier=kv_full)
                 T.barrier_arrive(kv_full)
-                if may_run(step_count(n_blocks), most_steps):
+                if nest_heads:
+                    if may_run(n_blocks, most_blocks):
+                        for g in T.unroll(walked, annotations=NO_UNROLL):
+                            for kk in T.unroll(n_blocks, annotations=NO_UNROLL):
+                                i, h, k = g * n_blocks + kk, by * walked + g, q_start + kk
+                                load_rows(
+                                    Q, lse2, Q_shared, lse_shared, q_empty, q_full, seq, h, k, i
+                                )
+                                load_rows(
+                                    dO, Delta, dO_shared, delta_shared, do_empty, do_full, seq,
+                                    h, k, i,
+                                )  # fmt: skip
+                elif may_run(step_count(n_blocks), most_steps):
                     for i in T.serial(step_count(n_blocks)):
                         h, k = step_coords(by, q_start, n_blocks, i)
                         load_rows(Q, lse2, Q_shared, lse_shared, q_empty, q_full, seq, h, k, i)
@@ -1317,14 +1337,16 @@ def flash_bwd(
                 # Warp 1: add each step's dQ tile into dQ_accum (padded queries add zeros:
                 # their P is 0).
                 reduce = (tx, seq, dq_full, dq_empty, dq_shared, dQ_accum)
-                if packed and groups > 1:
-                    # The packed accumulator's index is 64-bit (its shape is known at run time
-                    # only); the head and block of a step, a division and a modulo by the
-                    # run-time block count in 64 bits, would not fit the producer's registers.
-                    # Two loops need neither; unrolled, the inner one would not fit either.
-                    for g in T.serial(groups):
-                        for kk in T.unroll(n_blocks, annotations={"pragma_unroll_factor": 1}):
-                            dq_reduce(g * n_blocks + kk, by * groups + g, q_start + kk, *reduce)
+                if (packed and groups > 1) or nest_heads:
+                    # Two loops, heads then blocks (``nest_heads``). Packed, they are needed:
+                    # the accumulator's index is 64-bit there (its shape is known at run time
+                    # only), and a step's head and block by a division and a modulo by the
+                    # run-time block count in 64 bits would not fit the producer's registers,
+                    # nor would the inner loop unrolled.
+                    if may_run(n_blocks, most_blocks):
+                        for g in T.serial(walked):
+                            for kk in T.unroll(n_blocks, annotations=NO_UNROLL):
+                                dq_reduce(g * n_blocks + kk, by * walked + g, q_start + kk, *reduce)
                 elif ordered_store:
                     s_lo = first_stored_block(bx, block_M, block_N, seq.q_pad, edges)
                     if may_run(step_count(n_blocks), most_steps):
