@@ -366,6 +366,35 @@ def test_long_keys_take_160_key_blocks(script):
     assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
 
 
+def test_d128_pairs_share_kv_by_multicast():
+    """D=128 without causal (BSHD): thread blocks in clusters of two, each K/V block loaded once
+    into both by a TMA multicast after the pair's own mbarrier handshake, a cluster sync before
+    leaving; ptxas keeps the WGMMAs asynchronous, no spills. Not causal, not at D=64, not with
+    an odd number of query blocks a head."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(BSHD)
+
+    def build(B, S, D, causal):
+        cfg = mod.default_config(D, causal, "sm_90a", S)
+        return (B, 32, S, S, D, causal, D**-0.5, "bfloat16"), cfg
+
+    for B, S, D, causal in [(4, 4096, 128, True), (4, 4096, 64, False), (2, 1100, 128, False)]:
+        args, cfg = build(B, S, D, causal)
+        tir = mod.flashattn_fwd.get_tir(*args, **cfg).script()
+        assert "cluster_mask" not in tir and "cluster_dims" not in tir, (B, S, D, causal)
+    args, cfg = build(4, 4096, 128, False)
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert src.count("tma_load_multicast") == 2  # K and V, by rank 0
+    assert src.count("block_rank_in_cluster() == 1") == 2  # rank 1 arrives on rank 0's mbarrier
+    assert src.count("cluster_sync()") == 2  # after the mbarriers' init, before leaving
+    report = ptxas_report(src)
+    assert "Potential Performance Loss" not in report, report
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("dim, causal", [(128, True), (64, False)])
 def test_short_tiles_start_under_the_last_pv(script, dim, causal):
