@@ -9,7 +9,8 @@ its forward on a grid of several tiles a thread block) and packed sequences
 with a zero-length sequence, Sq ≠ Sk and partial blocks), the fast backward with its last wave's
 walks in parts over the queries (non-causal, ragged: tail_split_plan), and the dense forward
 with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
-two parts a tile, merged by the combine kernel) or in causal pairs of an odd block count — for
+two parts a tile, merged by the combine kernel), in causal pairs of an odd block count, or in
+clusters of two thread blocks sharing K/V by TMA multicast (D = 128 without causal) — for
 compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
@@ -132,7 +133,8 @@ for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's 
     q3, k3, v3 = (torch.randn(1, 640, 33, D, generator=g, device="cuda") for _ in range(3))
     out3 = dense.attention(*(t.to(torch.bfloat16) for t in (q3, k3, v3)), causal=True)
     # ragged keys, 480 tiles: three or four a thread block, each after the first started under
-    # the last P V of the one before (Q in two slots, up to D=128)
+    # the last P V of the one before (Q in two slots, up to D=128); at D=128 in clusters of two
+    # sharing K/V by multicast, as is q4 below (whole tiles, then parts)
     q6, k6, v6 = (torch.randn(2, 700, 40, D, generator=g, device="cuda") for _ in range(3))
     out6 = dense.attention(*(t.to(torch.bfloat16) for t in (q6, k6, v6)))
     outs = [out, out2, out3, out6]
