@@ -366,8 +366,9 @@ def test_long_keys_take_160_key_blocks(script):
     assert harness.dynamic_smem_bytes(kernel) + static <= SMEM_LIMIT
 
 
-def test_d128_pairs_share_kv_by_multicast():
-    """D=128 without causal (BSHD): thread blocks in clusters of two, each K/V block loaded once
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_d128_pairs_share_kv_by_multicast(script):
+    """D=128 without causal: thread blocks in clusters of two, each K/V block loaded once
     into both by a TMA multicast after the pair's own mbarrier handshake, a cluster sync before
     leaving; ptxas keeps the WGMMAs asynchronous, no spills. Not causal, not at D=64, not with
     an odd number of query blocks a head."""
@@ -375,11 +376,12 @@ def test_d128_pairs_share_kv_by_multicast():
 
     import harness
 
-    mod = load_script(BSHD)
+    mod = load_script(script)
+    heads = (32, 8) if script == GQA else (32,)
 
     def build(B, S, D, causal):
         cfg = mod.default_config(D, causal, "sm_90a", S)
-        return (B, 32, S, S, D, causal, D**-0.5, "bfloat16"), cfg
+        return (B, *heads, S, S, D, causal, D**-0.5, "bfloat16"), cfg
 
     for B, S, D, causal in [(4, 4096, 128, True), (4, 4096, 64, False), (2, 1100, 128, False)]:
         args, cfg = build(B, S, D, causal)

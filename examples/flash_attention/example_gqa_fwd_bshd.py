@@ -25,6 +25,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   causal tiles go in pairs of equal cost, a head's heaviest query block with its lightest (with
   an odd count, two heads together where the deal would keep handing the dear pair to the
   same SMs: ``tile_of``, ``heads_together``);
+- thread-block clusters and TMA multicast (D=128 without causal): thread blocks go in pairs, a
+  cluster of two walking neighbouring query blocks of one head, and each K/V block is loaded
+  once into both by one multicast; the pair's own mbarrier (rank 1 arrives on rank 0's from
+  across the cluster) says when both have freed the stage;
 - split-KV where tiles would leave SMs idle (without causal the last round's, and every tile
   when there are fewer tiles than SMs, causal too): each such tile is walked as several parts
   over its key blocks, one a thread block, and a second kernel (``flashattn_fwd_combine``)
@@ -242,6 +246,17 @@ def flashattn_fwd(
     num_units = (whole_tiles + tiles_per_unit - 1) // tiles_per_unit
     grid = min(num_sms, max(num_units, n_parts))
 
+    # D=128 without causal: thread blocks go in pairs (a cluster of two), and the two whole
+    # tiles a pair walks at once are neighbouring query blocks of one head, so they read the
+    # same K/V blocks: one TMA multicast loads each into both (``load_tile``), halving the K/V
+    # traffic out of L2. Even counts keep every pair's two tiles whole and of one head (the
+    # parts load their own). Not at D=64, whose 192-row tiles were slower so
+    # (``default_config``), nor causal, where neighbouring query blocks see different keys.
+    pairs = (
+        not causal and dim == 128 and num_m_blocks % 2 == 0 and whole_tiles % 2 == 0
+        and grid % 2 == 0 and n_parts % 2 == 0
+    )  # fmt: skip
+
     def tile_index(cta, it):
         # The it-th tile of thread block cta: units dealt round-robin, a unit's tiles in a row.
         # Only the very last unit can be short (t >= num_tiles: no tile).
@@ -365,11 +380,23 @@ def flashattn_fwd(
         return m_blk, by, bz, first, (p + 1) * n_blocks // kv_splits - first
 
     @T.macro
+    def stage_free_in_pair(peer, stage, phase):
+        # Before the multicast into both thread blocks of a pair: rank 1's consumers are done
+        # with the stage (its producer has waited for that), and rank 1 says so on rank 0's
+        # ``peer`` mbarrier; rank 0, whose own consumers are done too, waits for it.
+        if T.block_rank_in_cluster() == 1:
+            T.mbarrier_arrive(peer[stage], 0)
+        else:
+            T.mbarrier_wait_parity(peer[stage], phase)
+
+    @T.macro
     def load_tile(
         m_blk, by, bz, first, n_blocks, kv_count, tile_count, Q, K, V, Q_shared, K_shared,
-        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty, o_free,
+        V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty, o_free, peers=None,
     ):  # fmt: skip
-        # Producer: the tile's Q, then K and V of key blocks first … first + n_blocks - 1.
+        # Producer: the tile's Q, then K and V of key blocks first … first + n_blocks - 1;
+        # ``peers``: with the other thread block of a pair, rank 0 issuing each K/V load as a
+        # multicast into both (``cluster_mask``; rank 1 only posts the bytes it expects).
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # wait on an "empty" barrier (parity 1) passes at once.
         q = tile_count % q_slots
@@ -387,20 +414,26 @@ def flashattn_fwd(
             phase = (g // num_stages) & 1
             key_block = first + k
             T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+            if peers is not None:
+                stage_free_in_pair(peers[0], stage, phase)
             T.tma_copy(
                 K[bz, key_block * block_N : (key_block + 1) * block_N, by // groups, :],
                 K_shared[stage, :, :],
                 barrier=k_full[stage],
+                cluster_mask=None if peers is None else 0b11,
             )
             T.barrier_arrive(k_full[stage])
             if o_in_v and k == 0:
                 # The last tile's O is staged in V's ring: its TMA store must have read it.
                 T.mbarrier_wait_parity(o_free, (tile_count & 1) ^ 1)
             T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+            if peers is not None:
+                stage_free_in_pair(peers[1], stage, phase)
             T.tma_copy(
                 V[bz, key_block * block_N : (key_block + 1) * block_N, by // groups, :],
                 V_shared[stage, :, :],
                 barrier=v_full[stage],
+                cluster_mask=None if peers is None else 0b11,
             )
             T.barrier_arrive(v_full[stage])
 
@@ -490,7 +523,9 @@ def flashattn_fwd(
 
     @T.macro
     def kernel_body(Q, K, V, Output, lse, O_part, lse_part):
-        with T.Kernel(grid, threads=consumers + 128) as cta:
+        with T.Kernel(
+            grid, threads=consumers + 128, cluster_dims=(2, 1, 1) if pairs else None
+        ) as cta:
             Q_shared = T.alloc_shared([q_slots, block_M, dim], dtype)
             K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -520,6 +555,11 @@ def flashattn_fwd(
             # o_in_v: every consumer thread arrives once O's store has read the V ring (the
             # thread that issued the store after waiting for it).
             o_free = T.alloc_barrier(consumers) if o_in_v else None
+            peers = None
+            if pairs:  # rank 1's producer warp arrives on rank 0's, one per K and V stage
+                k_peer = T.alloc_cluster_barrier([32] * num_stages)
+                v_peer = T.alloc_cluster_barrier([32] * num_stages)
+                peers = (k_peer, v_peer)
             # Both sides count the key blocks and tiles they have been through, so each knows
             # which stage (g % num_stages) and barrier phase (g // num_stages) comes next.
             kv_count = T.alloc_var("int32")
@@ -551,7 +591,7 @@ def flashattn_fwd(
                             load_tile(
                                 m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V,
                                 Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
-                                k_empty, v_empty, o_free,
+                                k_empty, v_empty, o_free, peers,
                             )  # fmt: skip
                             kv_count = kv_count + n_blocks
                             tile_count = tile_count + 1
@@ -677,6 +717,9 @@ def flashattn_fwd(
                         lse_part[cta, i] = T.if_then_else(
                             logsum[i] > 0, T.log2(logsum[i]) + scores_max[i] * scale, neg_inf
                         )
+            if pairs:
+                # Neither thread block leaves while the other may still arrive on its barriers.
+                T.cluster_sync()
 
     if kv_splits == 1:
 
@@ -774,7 +817,8 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     behind them (H100; this layout measured alike where it was timed).
 
     D=128: 128×128 tiles (two consumer warpgroups), two K/V stages; without causal and with
-    Sk ≥ 8192, 160 keys a block. D=64: 192-row tiles (three consumer warpgroups at 160
+    Sk ≥ 8192, 160 keys a block; without causal, thread blocks in pairs that share each K/V
+    block by TMA multicast (``pairs`` in flashattn_fwd). D=64: 192-row tiles (three consumer warpgroups at 160
     registers), except causal with Sk ≤ 2048 (128 rows). D=256: 64 keys a block, two stages, O
     staged in the V ring and stored by TMA.
     """
