@@ -813,9 +813,9 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
 
     D=128: 128×128 tiles (two consumer warpgroups), two K/V stages; without causal and with
     Sk ≥ 8192, 160 keys a block; without causal, thread blocks in pairs that share each K/V
-    block by TMA multicast (``pairs`` in flashattn_fwd). D=64: 192-row tiles (three consumer warpgroups at 160
-    registers), except causal with Sk ≤ 2048 (128 rows). D=256: 64 keys a block, two stages, O
-    staged in the V ring and stored by TMA.
+    block by TMA multicast (``pairs`` in flashattn_fwd). D=64: 192-row tiles (three consumer
+    warpgroups at 160 registers), except causal with Sk ≤ 2048 (128 rows). D=256: 64 keys a
+    block, two stages, O staged in the V ring and stored by TMA.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(

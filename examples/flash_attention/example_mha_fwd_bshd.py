@@ -818,6 +818,10 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     (``pairs`` in flashattn_fwd): 1.00-1.03x the same tiles without (2026-11-28, H200, one
     process, nine rounds; B·S = 16k, H32: bf16 S=1024-16384 1.010 / 1.019 / 1.020 / 1.026 /
     1.000, fp16 S=4096 1.028). At D=64 (192-row tiles) the same measured 0.945x: not there.
+    With the pairs, 128 and 160 keys a block ran level at S=8192-16384 (643 / 637 and 646 / 645
+    TFLOP/s), 176 keys 0.90-0.99x at S ≤ 4096; every consumer warp of both thread blocks
+    arriving on rank 0's barrier (instead of rank 1's producer relaying) 0.96-1.02x
+    (2026-11-28, H200).
 
     D=64: 192-row tiles (three consumer warpgroups at 160 registers), except causal with Sk ≤
     2048, where 128-row tiles were much faster (S=1024: 0.99x vs 0.83x cuDNN; S=2048: 0.92-0.97x
