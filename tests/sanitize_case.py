@@ -10,7 +10,8 @@ with a zero-length sequence, Sq ≠ Sk and partial blocks), the fast backward wi
 walks in parts over the queries (non-causal, ragged: tail_split_plan), and the dense forward
 with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
 two parts a tile, merged by the combine kernel), in causal pairs of an odd block count, or in
-clusters of two thread blocks sharing K/V by TMA multicast (D = 128 without causal) — for
+clusters of two thread blocks sharing K/V by TMA multicast (D = 128 without causal), or from a
+tile counter (causal D = 128, 165 tiles of 33 heads) — for
 compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
@@ -129,7 +130,8 @@ for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's 
     q2, k2, v2 = (torch.randn(1, 1100, 2, D, generator=g, device="cuda") for _ in range(3))
     out2 = dense.attention(*(t.to(torch.bfloat16) for t in (q2, k2, v2)), causal=True)
     # causal pairs with 5 query blocks a head (640 rows): two heads' middle blocks pair up, and
-    # with 33 heads a last head is left alone (tile_of); 165 tiles, more than the SMs
+    # with 33 heads a last head is left alone (tile_of); 165 tiles, more than the SMs. At D=128
+    # the pairs would leave a ragged round: the tiles come from a counter (counter_section)
     q3, k3, v3 = (torch.randn(1, 640, 33, D, generator=g, device="cuda") for _ in range(3))
     out3 = dense.attention(*(t.to(torch.bfloat16) for t in (q3, k3, v3)), causal=True)
     # ragged keys, 480 tiles: three or four a thread block, each after the first started under
