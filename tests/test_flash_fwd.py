@@ -217,9 +217,9 @@ def test_persistent_grid(script):
     # 8 heads x 8 query blocks: without causal each tile in two parts over its 8 key blocks
     assert grid(1, 1000, False, 132) == 8 * 8 * 2
     assert grid(1, 1000, True, 132) == 8 * 8 * 2  # fewer tiles than SMs: no pairs, parts
-    # 192 tiles: 96 pairs, or (BSHD) all 132 SMs taking tiles from the counter, which the
-    # model of the deal prefers (counter_section)
-    assert grid(3, 1000, True, 132) == (132 if script == BSHD else 3 * 8 * 4)
+    # 192 tiles: not 96 pairs but all 132 SMs taking tiles from the counter, which the model
+    # of the deal prefers (counter_section)
+    assert grid(3, 1000, True, 132) == 132
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -399,17 +399,20 @@ def test_d128_pairs_share_kv_by_multicast(script):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
-def test_counter_section():
-    """BSHD, causal D=128: a tile counter where the model of the pair deal's busiest thread
-    block loses COUNTER_GAIN or more to it (a ragged last round of pairs: B3 H45 S1000, B2 H24
-    S6000, Sq != Sk), in sections of heads whose K/V fit SECTION_BYTES (dividing the heads);
-    not where the pairs fill their rounds (16k tokens and 32 heads), at D=64 or D=256, without
-    causal, or with fewer tiles than SMs."""
-    mod = load_script(BSHD)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_counter_section(script):
+    """Causal D=128: a tile counter where the model of the pair deal's busiest thread block
+    loses COUNTER_GAIN or more to it (a ragged last round of pairs: B3 H45 S1000, B2 H24 S6000,
+    Sq != Sk), in sections of heads whose K/V fit SECTION_BYTES (dividing the heads; in GQA a
+    group's query heads share theirs); not where the pairs fill their rounds (16k tokens and 32
+    heads), at D=64 or D=256, without causal, or with fewer tiles than SMs."""
+    mod = load_script(script)
 
-    def section(B, H, Sq, Sk, D=128, causal=True):
+    def section(B, H, Sq, Sk, D=128, causal=True, groups=1):
         cfg = mod.default_config(D, causal, "sm_90a", Sk)
-        return mod.counter_section(B, H, Sq, Sk, D, causal, cfg["block_M"], cfg["block_N"], 132)
+        heads = (H, H // groups) if script == GQA else (H,)
+        blocks = cfg["block_M"], cfg["block_N"]
+        return mod.counter_section(B, *heads, Sq, Sk, D, causal, *blocks, 132)
 
     assert section(3, 45, 1000, 1000) == 27  # 135 heads of 0.5 MB: the largest divisor ≤ 32
     assert section(2, 24, 6000, 6000) == 4  # 3 MB a head: ≤ 5 heads, dividing 48
@@ -418,9 +421,12 @@ def test_counter_section():
         assert section(16384 // S, 32, S, S) == 0, S
     assert section(3, 45, 1000, 1000, D=64) == 0 and section(3, 45, 1000, 1000, D=256) == 0
     assert section(3, 45, 1000, 1000, causal=False) == 0 and section(1, 4, 1000, 1000) == 0
+    if script == GQA:  # five query heads share a kv head: 0.1 MB a query head, all 135 fit
+        assert section(3, 45, 1000, 1000, groups=5) == 135
 
 
-def test_counter_builds():
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_counter_builds(script):
     """The counter's kernel: one atomic add a tile (the producer's, its result shuffled to the
     warp), the tile's index written beside its Q, the loops left by a break; a sixth argument;
     no spills, the WGMMAs asynchronous; with one Q slot (S=3000) and two (S=1000)."""
@@ -428,10 +434,11 @@ def test_counter_builds():
 
     import harness
 
-    mod = load_script(BSHD)
+    mod = load_script(script)
     for B, H, S in [(3, 45, 1000), (1, 28, 3000)]:
         cfg = mod.default_config(128, True, "sm_90a", S)
-        args = (B, H, S, S, 128, True, 128**-0.5, "bfloat16")
+        heads = (H, H // (5 if H == 45 else 4)) if script == GQA else (H,)
+        args = (B, *heads, S, S, 128, True, 128**-0.5, "bfloat16")
         kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
         src = kernel.get_kernel_source()
         assert src.count("AtomicAddRet(") == 1 and "__shfl_sync" in src, S
@@ -668,6 +675,10 @@ def _gpu_cases():
         (BSHD, 1, 3000, 3000, 28, 28, 128, True, f16, 10),
         (BSHD, 2, 700, 1000, 45, 45, 128, True, f16, 1),
         (BSHD, 2, 1000, 700, 45, 45, 128, True, bf16, 1),
+        (BHSD, 3, 1000, 1000, 45, 45, 128, True, f16, 1),
+        (BHSD, 2, 1000, 700, 45, 45, 128, True, bf16, 10),
+        (GQA, 3, 1000, 1000, 45, 9, 128, True, bf16, 1),
+        (GQA, 1, 3000, 3000, 28, 4, 128, True, f16, 1),
         # ragged keys without causal, whole tiles then parts: the mask reads Sk through a
         # shuffle (as in BSHD B3 H45 S1000 above)
         (BHSD, 1, 1000, 1000, 35, 35, 128, False, f16, 1),

@@ -24,7 +24,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
   causal tiles go in pairs of equal cost, a head's heaviest query block with its lightest (with
   an odd count, two heads together where the deal would keep handing the dear pair to the
-  same SMs: ``tile_of``, ``heads_together``);
+  same SMs: ``tile_of``, ``heads_together``); where the pairs leave a ragged last round, a
+  global tile counter instead (an atomic add, as FlashAttention-3's scheduler): a thread
+  block's producer takes its next tile, heaviest first, as it issues the last loads of the one
+  before, and hands the index to the consumers beside that tile's Q (``counter_section``);
 - thread-block clusters and TMA multicast (D=128 without causal): thread blocks go in pairs, a
   cluster of two walking neighbouring query blocks of one head, and each K/V block is loaded
   once into both by one multicast; the pair's own mbarrier (rank 1 arrives on rank 0's from
@@ -65,6 +68,8 @@ Run:
     python examples/flash_attention/example_gqa_fwd_bshd.py --compile-only --arch sm_90a  # no GPU
 """
 
+import functools
+import heapq
 import math
 import numbers
 import pathlib
@@ -96,6 +101,8 @@ O_STAGE = 8  # named barrier of the consumer warpgroups around the output's stag
 MIN_PART_BLOCKS = 4  # key blocks a part walks at least (its Q load and epilogue are fixed costs)
 PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
 CROSS_TILE_BLOCKS = 16  # key blocks a tile has at most for Q's two slots (flashattn_fwd)
+COUNTER_GAIN = 1.05  # counter_section: the modelled gain over the pair deal that pays for it
+SECTION_BYTES = 16 << 20  # counter_section: K and V of a section's heads, to stay in L2
 
 
 def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
@@ -180,6 +187,49 @@ def heads_together(num_m_blocks, flat, grid, costs):
     return busiest(False) >= PAIR_GAIN * busiest(True)
 
 
+@functools.cache
+def counter_section(batch, heads, heads_kv, seq_q, seq_kv, dim, causal, block_M, block_N, num_sms):
+    """Heads a section of the tile counter's order holds, or 0 for the static pair deal.
+
+    A causal grid of more tiles than SMs deals its tiles in pairs of equal cost round-robin;
+    when the pairs do not fill the last round (B3 H45 S1000: 4.1 pairs a thread block), or an
+    odd block count makes them unequal, the busiest thread block carries much more than the
+    mean. A global counter hands out the tiles one at a time instead, to whichever thread block
+    is free, heaviest first (longest processing time first) within sections of heads whose K
+    and V fit ``SECTION_BYTES`` (they stay in L2 while the section runs; a group's query heads
+    share theirs). The two are weighed by a model of the busiest thread block (a tile's cost:
+    its key blocks plus one), and the counter is taken where it gains ``COUNTER_GAIN`` or more,
+    at D=128 (where it was measured).
+
+    Measured on example_mha_fwd_bshd.py, the same kernel in BSHD (2026-11-28, H200, one
+    process against the pairs; benchmarks/results/fwd_schedule_trials.md): 1.07-1.13x on six
+    causal D=128 grids it takes (B3 H45 S1000 1.127, B2 H24 S6000 1.067, B1 H28 S3000 1.104,
+    B3 H8 S1000 1.069, B1 H33 S640 1.105, B2 H40 S3000 1.067). Where the pairs fill their
+    rounds (16k tokens and 32 heads, 1.02-1.03 in the model) it measured 0.96-1.04x with 32 MB
+    sections (FlashAttention-3's), 16 MB or 8 MB, no size better on every row: not taken
+    there. At D=64 the counter's loop spilled (192-row tiles, 160 registers) and measured
+    0.94-0.97x."""
+    nm, flat = -(-seq_q // block_M), batch * heads
+    num_tiles, n_kv_blocks = nm * flat, -(-seq_kv // block_N)
+    if not causal or dim != 128 or num_tiles <= num_sms:
+        return 0
+    last_key = [(m + 1) * block_M + seq_kv - seq_q for m in range(nm)]
+    costs = [max(1, min(n_kv_blocks, -(-key // block_N))) + 1 for key in last_key]
+    grid = min(num_sms, (num_tiles + 1) // 2)
+    two_heads = heads_together(nm, flat, grid, costs)
+    pairs = [0] * grid
+    for t in range(num_tiles):
+        pairs[t // 2 % grid] += costs[tile_of(t, nm, flat, 1, True, two_heads)[0]]
+    cap = max(1, SECTION_BYTES * heads // (seq_kv * dim * 2 * 2 * heads_kv))
+    section = max(d for d in range(1, min(cap, flat) + 1) if flat % d == 0)
+    free = [0] * num_sms  # when each thread block is next free (a heap)
+    for _ in range(flat // section):
+        for m in range(nm - 1, -1, -1):  # a section's tiles, heaviest query blocks first
+            for _ in range(section):
+                heapq.heapreplace(free, free[0] + costs[m])
+    return section if max(pairs) >= COUNTER_GAIN * max(free) else 0
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def flashattn_fwd(
     batch,
@@ -234,7 +284,13 @@ def flashattn_fwd(
     # 8): every pair costs the same and the round-robin deal of pairs stays balanced.
     num_m_blocks = (seq_q + block_M - 1) // block_M
     num_tiles = num_m_blocks * heads * batch
-    tiles_per_unit = 2 if causal and num_tiles > num_sms else 1
+    # Where the pairs would leave a ragged last round, the tiles come one at a time from a
+    # global counter instead (``counter_section``): ``dynamic``.
+    section = counter_section(
+        batch, heads, heads_kv, seq_q, seq_kv, dim, causal, block_M, block_N, num_sms
+    )  # fmt: skip
+    dynamic = section > 0
+    tiles_per_unit = 2 if causal and num_tiles > num_sms and not dynamic else 1
     # Without causal every tile costs the same, and the tiles of a last round that leaves SMs
     # idle are split over their keys instead (``kv_split_plan``; causal too when there are fewer
     # tiles than SMs, each over its own key blocks): the first ``whole_tiles`` go
@@ -276,6 +332,10 @@ def flashattn_fwd(
     two_heads = tiles_per_unit == 2 and heads_together(num_m_blocks, heads * batch, grid, costs)
 
     def tile_coords(t):
+        if dynamic:  # sections of heads, in each the heaviest query blocks first
+            r = t % (section * num_m_blocks)
+            f = t // (section * num_m_blocks) * section + r % section
+            return num_m_blocks - 1 - r // section, f % heads, f // heads
         return tile_of(t, num_m_blocks, heads, batch, causal, two_heads)
 
     def first_masked_block(m_blk):
@@ -393,14 +453,19 @@ def flashattn_fwd(
     def load_tile(
         m_blk, by, bz, first, n_blocks, kv_count, tile_count, Q, K, V, Q_shared, K_shared,
         V_shared, q_full, q_empty, k_full, v_full, k_empty, v_empty, o_free, peers=None,
+        tile_ids=None, t=None,
     ):  # fmt: skip
         # Producer: the tile's Q, then K and V of key blocks first … first + n_blocks - 1;
         # ``peers``: with the other thread block of a pair, rank 0 issuing each K/V load as a
         # multicast into both (``cluster_mask``; rank 1 only posts the bytes it expects).
+        # ``tile_ids``: with the counter, the tile's index t goes beside its Q, for the
+        # consumers to read once Q has landed (the mbarrier's arrival publishes it).
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # wait on an "empty" barrier (parity 1) passes at once.
         q = tile_count % q_slots
         T.mbarrier_wait_parity(q_empty[q], (tile_count // q_slots & 1) ^ 1)
+        if tile_ids is not None and T.get_thread_binding() == consumers:
+            tile_ids[q] = t
         # Rows past Sq read as zeros (TMA fills out-of-bounds), never stored.
         T.tma_copy(
             Q[bz, m_blk * block_M : (m_blk + 1) * block_M, by, :],
@@ -522,7 +587,7 @@ def flashattn_fwd(
         T.copy(acc_s, acc_s_cast)
 
     @T.macro
-    def kernel_body(Q, K, V, Output, lse, O_part, lse_part):
+    def kernel_body(Q, K, V, Output, lse, O_part, lse_part, counter=None):
         with T.Kernel(
             grid, threads=consumers + 128, cluster_dims=(2, 1, 1) if pairs else None
         ) as cta:
@@ -555,6 +620,9 @@ def flashattn_fwd(
             # o_in_v: every consumer thread arrives once O's store has read the V ring (the
             # thread that issued the store after waiting for it).
             o_free = T.alloc_barrier(consumers) if o_in_v else None
+            tile_ids = None
+            if dynamic:  # the index of the tile whose Q is in each slot
+                tile_ids = T.alloc_shared([q_slots], "int32")
             peers = None
             if pairs:  # rank 1's producer warp arrives on rank 0's, one per K and V stage
                 k_peer = T.alloc_cluster_barrier([32] * num_stages)
@@ -575,6 +643,12 @@ def flashattn_fwd(
             kv_count = 0
             tile_count = 0
             n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
+            if dynamic:
+                # With the counter, a side's tile and the next: the loops below run until the
+                # counter has passed the last tile (``n_iter`` only bounds them).
+                t_dyn = T.alloc_var("int32")
+                t_next = T.alloc_var("int32")
+                t_dyn = cta
             tx = T.get_thread_binding()
 
             if tx >= consumers:
@@ -584,17 +658,33 @@ def flashattn_fwd(
                 # would only poll the ring's mbarriers beside the consumers.
                 if tx < consumers + 32:
                     for it in T.serial(n_iter):
-                        t = tile_index(cta, it)
+                        t = t_dyn if dynamic else tile_index(cta, it)
                         if t < whole_tiles:
                             m_blk, by, bz = tile_coords(t)
                             n_blocks = key_blocks(m_blk)
                             load_tile(
                                 m_blk, by, bz, 0, n_blocks, kv_count, tile_count, Q, K, V,
                                 Q_shared, K_shared, V_shared, q_full, q_empty, k_full, v_full,
-                                k_empty, v_empty, o_free, peers,
+                                k_empty, v_empty, o_free, peers, tile_ids, t,
                             )  # fmt: skip
                             kv_count = kv_count + n_blocks
                             tile_count = tile_count + 1
+                        if dynamic:
+                            # The next tile, taken as this one's last K/V loads are out; the
+                            # counter starts at 0, and every thread block's first tile is cta.
+                            t_next = 0
+                            if tx == consumers:
+                                t_next = T.atomic_add(counter[0], 1, return_prev=True)
+                            t_dyn = T.shfl_sync(t_next, 0) + grid
+                            if t_dyn >= whole_tiles:
+                                T.loop_break()
+                    if dynamic:
+                        # None left: the consumers find an index past the last beside no Q.
+                        q = tile_count % q_slots
+                        T.mbarrier_wait_parity(q_empty[q], (tile_count // q_slots & 1) ^ 1)
+                        if tx == consumers:
+                            tile_ids[q] = t_dyn
+                        T.barrier_arrive(q_full[q])
                     if kv_splits > 1 and cta < n_parts:
                         m_blk, by, bz, first, part_blocks = part_coords(cta)
                         if part_blocks > 0:
@@ -616,7 +706,7 @@ def flashattn_fwd(
                         scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
                     )  # fmt: skip
                 for it in T.serial(n_iter):
-                    t = tile_index(cta, it)
+                    t = t_dyn if dynamic else tile_index(cta, it)
                     if t < whole_tiles:
                         m_blk, by, bz = tile_coords(t)
                         n_blocks = key_blocks(m_blk)
@@ -649,7 +739,12 @@ def flashattn_fwd(
                                     T.infinity(accum_dtype),
                                 )
                         g = kv_count + n_blocks - 1  # the last key block's place in the stream
-                        t_next = tile_index(cta, it + 1)
+                        if not dynamic:
+                            t_next = tile_index(cta, it + 1)
+                        elif q_slots > 1:  # the next tile's index, beside its Q (needed now)
+                            qn = (tile_count + 1) % q_slots
+                            T.mbarrier_wait_parity(q_full[qn], (tile_count + 1) // q_slots & 1)
+                            t_next = tile_ids[qn]
                         if q_slots > 1 and it + 1 < n_iter and t_next < whole_tiles:
                             next_tile_under_last_pv(
                                 tile_coords(t_next)[0], g, tile_count + 1, Q_shared, K_shared,
@@ -684,6 +779,15 @@ def flashattn_fwd(
                             T.fill(acc_o, 0)  # the next tile's P V accumulates from zero
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
+                    if dynamic:
+                        if q_slots == 1:
+                            # The next tile's index, beside its Q: waited for only now, so
+                            # that its load delays nothing of this tile's.
+                            T.mbarrier_wait_parity(q_full[0], tile_count & 1)
+                            t_next = tile_ids[0]
+                        t_dyn = t_next
+                        if t_dyn >= whole_tiles:
+                            T.loop_break()
                 if kv_splits > 1 and cta < n_parts:
                     # A part: its key blocks, then its output normalised by its own row sums
                     # and its lse (log2 units) in float32, every row of the tile. A row that
@@ -721,7 +825,20 @@ def flashattn_fwd(
                 # Neither thread block leaves while the other may still arrive on its barriers.
                 T.cluster_sync()
 
-    if kv_splits == 1:
+    if dynamic:  # one more argument: the tile counter, zero at launch
+
+        @T.prim_func
+        def flash_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            Output: T.Tensor(q_shape, dtype),
+            lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+            counter: T.Tensor([1], "int32"),
+        ):
+            kernel_body(Q, K, V, Output, lse, None, None, counter)
+
+    elif kv_splits == 1:
 
         @T.prim_func
         def flash_fwd(
@@ -914,10 +1031,14 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
         kernel = flashattn_fwd(
             B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg, num_sms=num_sms
         )
+        blocks = cfg["block_M"], cfg["block_N"]
         num_tiles = -(-Sq // cfg["block_M"]) * H * B
         plan = kv_split_plan(num_tiles, num_sms, -(-Sk // cfg["block_N"]), bool(causal))
         split_tiles, kv_splits = plan[1:]
-        if kv_splits == 1:
+        if counter_section(B, H, Hkv, Sq, Sk, D, bool(causal), *blocks, num_sms):
+            # The tiles from a counter, which starts at zero.
+            kernel(q, k, v, out, lse, torch.zeros(1, dtype=torch.int32, device=q.device))
+        elif kv_splits == 1:
             kernel(q, k, v, out, lse)
         else:  # the last round's tiles in parts, merged by a second kernel
             n_parts = split_tiles * kv_splits
