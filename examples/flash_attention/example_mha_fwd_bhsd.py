@@ -203,8 +203,9 @@ def counter_section(batch, heads, seq_q, seq_kv, dim, causal, block_M, block_N, 
     B3 H8 S1000 1.069, B1 H33 S640 1.105, B2 H40 S3000 1.067). Where the pairs fill their
     rounds (16k tokens and 32 heads, 1.02-1.03 in the model) it measured 0.96-1.04x with 32 MB
     sections (FlashAttention-3's), 16 MB or 8 MB, no size better on every row: not taken
-    there. At D=64 the counter's loop spilled (192-row tiles, 160 registers) and measured
-    0.94-0.97x."""
+    there. At D=64, on those grids, a first form of the loops (while loops) spilled 124 bytes
+    (192-row tiles, 160 registers) and measured 0.94-0.97x; this form builds there without
+    spills but has not been timed, so D=64 keeps the pairs."""
     nm, flat = -(-seq_q // block_M), batch * heads
     num_tiles, n_kv_blocks = nm * flat, -(-seq_kv // block_N)
     if not causal or dim != 128 or num_tiles <= num_sms:
