@@ -428,7 +428,8 @@ def test_counter_section(script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_counter_builds(script):
     """The counter's kernel: one atomic add a tile (the producer's, its result shuffled to the
-    warp), the tile's index written beside its Q, the loops left by a break; a sixth argument;
+    warp), the tile's index written beside its Q, the loops left by a break and bounded by the
+    tile count (a thread block may take more than its share of the pairs); a sixth argument;
     no spills, the WGMMAs asynchronous; with one Q slot (S=3000) and two (S=1000)."""
     from test_flash_bwd_fast import ptxas_report
 
@@ -444,6 +445,8 @@ def test_counter_builds(script):
         assert src.count("AtomicAddRet(") == 1 and "__shfl_sync" in src, S
         assert src.count("tile_ids)[") == 3, S  # written (a tile's, none left), read once
         assert src.count("break;") == 2, S
+        num_tiles = B * H * -(-S // cfg["block_M"])
+        assert src.count(f"it < {num_tiles};") == 1 and src.count(f"it_1 < {num_tiles};") == 1, S
         assert len(mod.flashattn_fwd.get_tir(*args, **cfg).params) == 6
         report = ptxas_report(src)
         assert "Potential Performance Loss" not in report, report

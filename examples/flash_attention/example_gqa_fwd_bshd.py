@@ -646,7 +646,8 @@ def flashattn_fwd(
             n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
             if dynamic:
                 # With the counter, a side's tile and the next: the loops below run until the
-                # counter has passed the last tile (``n_iter`` only bounds them).
+                # counter has passed the last tile (``whole_tiles`` only bounds them).
+                n_iter = whole_tiles
                 t_dyn = T.alloc_var("int32")
                 t_next = T.alloc_var("int32")
                 t_dyn = cta
