@@ -161,6 +161,24 @@ def tile_of(t, num_m_blocks, heads, batch, causal, two_heads):
     return m_blk, f % heads, f // heads
 
 
+def causal_costs(seq_q, seq_kv, block_M, block_N):
+    """Each query block's cost under the causal mask, for the models of the deal: the key
+    blocks it walks (at least one, as ``key_blocks`` in flashattn_fwd), plus one for the
+    tile's own work."""
+    n_kv_blocks = -(-seq_kv // block_N)
+    last_keys = [(m + 1) * block_M + seq_kv - seq_q for m in range(-(-seq_q // block_M))]
+    return [max(1, min(n_kv_blocks, -(-key // block_N))) + 1 for key in last_keys]
+
+
+def pair_deal_busiest(num_m_blocks, flat, grid, costs, two_heads):
+    """The busiest thread block's cost when ``flat`` heads' causal tiles go in ``tile_of``'s
+    order a pair at a time round-robin over ``grid`` thread blocks."""
+    loads = [0] * grid
+    for t in range(num_m_blocks * flat):
+        loads[t // 2 % grid] += costs[tile_of(t, num_m_blocks, flat, 1, True, two_heads)[0]]
+    return max(loads)
+
+
 def heads_together(num_m_blocks, flat, grid, costs):
     """Whether the pairs of an odd block count go two heads at a time (``tile_of``), for
     ``flat`` heads (batch × heads) dealt a pair at a time round-robin over ``grid`` thread
@@ -174,14 +192,8 @@ def heads_together(num_m_blocks, flat, grid, costs):
     nm = num_m_blocks
     if nm % 2 == 0 or nm == 1 or flat == 1:
         return False
-
-    def busiest(two_heads):
-        loads = [0] * grid
-        for t in range(nm * flat):
-            loads[t // 2 % grid] += costs[tile_of(t, nm, flat, 1, True, two_heads)[0]]
-        return max(loads)
-
-    return busiest(False) >= PAIR_GAIN * busiest(True)
+    busiest = pair_deal_busiest(nm, flat, grid, costs, False)
+    return busiest >= PAIR_GAIN * pair_deal_busiest(nm, flat, grid, costs, True)
 
 
 @functools.cache
@@ -207,16 +219,12 @@ def counter_section(batch, heads, seq_q, seq_kv, dim, causal, block_M, block_N, 
     (192-row tiles, 160 registers) and measured 0.94-0.97x; this form builds there without
     spills but has not been timed, so D=64 keeps the pairs."""
     nm, flat = -(-seq_q // block_M), batch * heads
-    num_tiles, n_kv_blocks = nm * flat, -(-seq_kv // block_N)
+    num_tiles = nm * flat
     if not causal or dim != 128 or num_tiles <= num_sms:
         return 0
-    last_key = [(m + 1) * block_M + seq_kv - seq_q for m in range(nm)]
-    costs = [max(1, min(n_kv_blocks, -(-key // block_N))) + 1 for key in last_key]
+    costs = causal_costs(seq_q, seq_kv, block_M, block_N)
     grid = min(num_sms, (num_tiles + 1) // 2)
-    two_heads = heads_together(nm, flat, grid, costs)
-    pairs = [0] * grid
-    for t in range(num_tiles):
-        pairs[t // 2 % grid] += costs[tile_of(t, nm, flat, 1, True, two_heads)[0]]
+    pairs = pair_deal_busiest(nm, flat, grid, costs, heads_together(nm, flat, grid, costs))
     cap = max(1, SECTION_BYTES // (seq_kv * dim * 2 * 2))
     section = max(d for d in range(1, min(cap, flat) + 1) if flat % d == 0)
     free = [0] * num_sms  # when each thread block is next free (a heap)
@@ -224,7 +232,7 @@ def counter_section(batch, heads, seq_q, seq_kv, dim, causal, block_M, block_N, 
         for m in range(nm - 1, -1, -1):  # a section's tiles, heaviest query blocks first
             for _ in range(section):
                 heapq.heapreplace(free, free[0] + costs[m])
-    return section if max(pairs) >= COUNTER_GAIN * max(free) else 0
+    return section if pairs >= COUNTER_GAIN * max(free) else 0
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -323,7 +331,7 @@ def flashattn_fwd(
 
     # Odd block counts, in pairs: two heads together where the model of the deal says it pays
     # (``heads_together``; never with parts, which causal grids take only as single tiles).
-    costs = [int(key_blocks(m)) + 1 for m in range(num_m_blocks)]
+    costs = causal_costs(seq_q, seq_kv, block_M, block_N)
     two_heads = tiles_per_unit == 2 and heads_together(num_m_blocks, heads * batch, grid, costs)
 
     def tile_coords(t):
@@ -1024,10 +1032,10 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
         kernel = flashattn_fwd(
             B, H, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg, num_sms=num_sms
         )
-        blocks = cfg["block_M"], cfg["block_N"]
         num_tiles = -(-Sq // cfg["block_M"]) * H * B
         plan = kv_split_plan(num_tiles, num_sms, -(-Sk // cfg["block_N"]), bool(causal))
         split_tiles, kv_splits = plan[1:]
+        blocks = cfg["block_M"], cfg["block_N"]
         if counter_section(B, H, Sq, Sk, D, bool(causal), *blocks, num_sms):
             # The tiles from a counter, which starts at zero.
             kernel(q, k, v, out, lse, torch.zeros(1, dtype=torch.int32, device=q.device))
