@@ -405,7 +405,8 @@ def test_counter_section(script):
     loses COUNTER_GAIN or more to it (a ragged last round of pairs: B3 H45 S1000, B2 H24 S6000,
     Sq != Sk), in sections of heads whose K/V fit SECTION_BYTES (dividing the heads; in GQA a
     group's query heads share theirs); not where the pairs fill their rounds (16k tokens and 32
-    heads), at D=64 or D=256, without causal, or with fewer tiles than SMs."""
+    heads). Causal D=64: the counter on every grid of more tiles than SMs (the sweep's too).
+    Never at D=256, without causal, or with fewer tiles than SMs."""
     mod = load_script(script)
 
     def section(B, H, Sq, Sk, D=128, causal=True, groups=1):
@@ -419,8 +420,13 @@ def test_counter_section(script):
     assert section(2, 45, 700, 1000) > 0 and section(2, 45, 1000, 700) > 0
     for S in (1024, 2048, 4096, 8192, 16384):
         assert section(16384 // S, 32, S, S) == 0, S
-    assert section(3, 45, 1000, 1000, D=64) == 0 and section(3, 45, 1000, 1000, D=256) == 0
-    assert section(3, 45, 1000, 1000, causal=False) == 0 and section(1, 4, 1000, 1000) == 0
+        # D=64: K and V of a head are S * 256 bytes, 16 MB hold 65536 // S of the 2^20 // S
+        assert section(16384 // S, 64, S, S, D=64) == 65536 // S, S
+    assert section(3, 45, 1000, 1000, D=64) == 45  # 0.25 MB a head: the largest divisor ≤ 65
+    assert section(3, 45, 1000, 1000, D=256) == 0
+    for D in (64, 128):
+        assert section(3, 45, 1000, 1000, D=D, causal=False) == 0
+        assert section(1, 4, 1000, 1000, D=D) == 0
     if script == GQA:  # five query heads share a kv head: 0.1 MB a query head, all 135 fit
         assert section(3, 45, 1000, 1000, groups=5) == 135
 
@@ -430,16 +436,22 @@ def test_counter_builds(script):
     """The counter's kernel: one atomic add a tile (the producer's, its result shuffled to the
     warp), the tile's index written beside its Q, the loops left by a break and bounded by the
     tile count (a thread block may take more than its share of the pairs); a sixth argument;
-    no spills, the WGMMAs asynchronous; with one Q slot (S=3000) and two (S=1000)."""
+    no spills, the WGMMAs asynchronous; with one Q slot (S=3000, S=16384) and two (S=1000,
+    S=1024), at D=128 and D=64."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
 
     mod = load_script(script)
-    for B, H, S in [(3, 45, 1000), (1, 28, 3000)]:
-        cfg = mod.default_config(128, True, "sm_90a", S)
+    for B, H, S, D in [
+        (3, 45, 1000, 128),
+        (1, 28, 3000, 128),
+        (16, 64, 1024, 64),
+        (1, 64, 16384, 64),
+    ]:
+        cfg = mod.default_config(D, True, "sm_90a", S)
         heads = (H, H // (5 if H == 45 else 4)) if script == GQA else (H,)
-        args = (B, *heads, S, S, 128, True, 128**-0.5, "bfloat16")
+        args = (B, *heads, S, S, D, True, D**-0.5, "bfloat16")
         kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
         src = kernel.get_kernel_source()
         assert src.count("AtomicAddRet(") == 1 and "__shfl_sync" in src, S
@@ -682,6 +694,12 @@ def _gpu_cases():
         (BHSD, 2, 1000, 700, 45, 45, 128, True, bf16, 10),
         (GQA, 3, 1000, 1000, 45, 9, 128, True, bf16, 1),
         (GQA, 1, 3000, 3000, 28, 4, 128, True, f16, 1),
+        # causal D=64 with more tiles than SMs: always the counter (and GQA B2 H32 S1000 above)
+        (BSHD, 3, 1000, 1000, 45, 45, 64, True, bf16, 1),
+        (BSHD, 1, 3000, 3000, 28, 28, 64, True, f16, 10),
+        (BSHD, 2, 1000, 700, 45, 45, 64, True, f16, 1),
+        (BHSD, 2, 700, 1000, 45, 45, 64, True, bf16, 1),
+        (GQA, 1, 3000, 3000, 28, 4, 64, True, bf16, 1),
         # ragged keys without causal, whole tiles then parts: the mask reads Sk through a
         # shuffle (as in BSHD B3 H45 S1000 above)
         (BHSD, 1, 1000, 1000, 35, 35, 128, False, f16, 1),
