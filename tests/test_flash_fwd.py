@@ -492,6 +492,38 @@ def test_short_tiles_start_under_the_last_pv(script, dim, causal):
     assert built[1024] == (built[4096][0] + 1, built[4096][1] + q_bytes)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_d64_warpgroups_take_turns(script):
+    """192-row tiles (D=64, three consumer warpgroups) issue their GEMMs in turns: each GEMM
+    issue sits between a wait on the warpgroup's own named barrier (9, 10, 11) and an arrival
+    on the next one's, the first warpgroup arriving once on its own to start; 128-row tiles
+    (D=64 causal at S <= 2048, and D=128) have no turns. Both build without spills."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(script)
+    heads = (32, 8) if script == GQA else (32,)
+    for D, S, causal, turns in [
+        (64, 4096, False, True),
+        (64, 1024, True, False),
+        (128, 4096, True, False),
+    ]:
+        cfg = mod.default_config(D, causal, "sm_90a", S)
+        assert (cfg["block_M"] == 192) == turns
+        args = (16384 // S, *heads, S, S, D, causal, D**-0.5, "bfloat16")
+        src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+        waits = src.count("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 9), 256);")
+        passes = src.count(
+            "__named_barrier_arrive(((((((int)threadIdx.x) >> 7) + 1) % 3) + 9), 256);"
+        )
+        assert waits == passes and (waits > 0) == turns, (D, S, causal)
+        assert src.count("__named_barrier_arrive(9, 256);") == int(turns)
+        report = ptxas_report(src)
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        assert "Potential Performance Loss" not in report, report
+
+
 def test_ragged_keys_without_parts_keep_sk_constant():
     """Without parts (B2 H32 S3000: 1536 tiles, no split) Sk stays a constant, so nvcc skips the
     exponentials of the last block's masked columns, and the WGMMAs stay asynchronous."""

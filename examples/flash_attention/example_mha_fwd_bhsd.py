@@ -19,6 +19,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   tiles are short (``CROSS_TILE_BLOCKS``), across tiles as well: Q has two shared-memory
   slots, and the next tile's first S = Q Kᵀ is issued and its softmax run under this tile's
   last P V (``next_tile_under_last_pv``);
+- turns at the tensor cores (FlashAttention-3's ping-pong, 192-row tiles at D=64): the three
+  consumer warpgroups issue their GEMMs one after another, each waiting on its own named
+  barrier and arriving on the next one's, so that one's GEMMs run under the others' softmax
+  (``turn_wait``, ``turn_pass``);
 - a persistent grid (one thread block per SM looping over tiles), so the next tile's loads run
   under the current tile's last GEMM and epilogue instead of waiting for a new block to start;
   causal tiles go in pairs of equal cost, a head's heaviest query block with its lightest (with
@@ -93,6 +97,7 @@ HEAD_DIMS = (64, 128, 256)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
 O_STAGE = 8  # named barrier of the consumer warpgroups around the output's staging
+TURNS = 9  # named barriers 9, 10, 11: the consumer warpgroups' turns at the tensor cores
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -390,6 +395,22 @@ def flashattn_fwd(
         for i in T.Parallel(block_M):
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
 
+    # Three consumer warpgroups (192-row tiles, D=64) take turns issuing their GEMMs, as
+    # FlashAttention-3's: each waits for its turn on its own named barrier, issues, and hands
+    # the turn to the next, so that one's GEMMs run under the others' softmax instead of all
+    # three contending at once (``default_config`` has the measurements).
+    turns = block_M == 192
+
+    @T.macro
+    def turn_wait():
+        if turns:
+            T.sync_threads(TURNS + T.get_thread_binding() // 128, 256)
+
+    @T.macro
+    def turn_pass():
+        if turns:
+            T.named_barrier_arrive(TURNS + (T.get_thread_binding() // 128 + 1) % 3, 256)
+
     @T.macro
     def issue_scores(q, g, Q_shared, K_shared, k_full, acc_s):
         # S = Q Kᵀ for the key block at place g of the K/V stream (stage g % num_stages, Q in
@@ -421,10 +442,12 @@ def flashattn_fwd(
         # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
         # P(k-1) V(k-1) still occupies the tensor cores.
         # g: key block k's place in the stream of K/V stages (kv_count + k)
+        turn_wait()
         issue_scores(q, g, Q_shared, K_shared, k_full, acc_s)
         # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
         # landed load's wait costs cycles, idle tensor cores if spent first.
         issue_pv(g - 1, V_shared, v_full, acc_s_cast, acc_o)
+        turn_pass()
         T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
         T.barrier_arrive(k_empty[g % num_stages])
         online_softmax(
@@ -522,7 +545,9 @@ def flashattn_fwd(
         T.fill(scores_max, neg_inf)
         q = tile_count % q_slots
         T.mbarrier_wait_parity(q_full[q], tile_count // q_slots & 1)
+        turn_wait()
         issue_scores(q, kv_count, Q_shared, K_shared, k_full, acc_s)
+        turn_pass()
         T.wait_wgmma(0)
         T.barrier_arrive(k_empty[kv_count % num_stages])
         online_softmax(
@@ -562,7 +587,9 @@ def flashattn_fwd(
     @T.macro
     def last_pv(g, V_shared, v_full, v_empty, acc_s_cast, acc_o):
         # The tile's last P V on its own (g: its key block's place in the K/V stream).
+        turn_wait()
         issue_pv(g, V_shared, v_full, acc_s_cast, acc_o)
+        turn_pass()
         T.wait_wgmma(0)
         T.barrier_arrive(v_empty[g % num_stages])
 
@@ -581,8 +608,10 @@ def flashattn_fwd(
         T.fill(logsum, 0)
         T.fill(scores_max, neg_inf)
         T.mbarrier_wait_parity(q_full[q], next_count // q_slots & 1)
+        turn_wait()
         issue_scores(q, g + 1, Q_shared, K_shared, k_full, acc_s)
         issue_pv(g, V_shared, v_full, acc_s_cast, acc_o)
+        turn_pass()
         T.wait_wgmma(1)  # S is ready; P V may still run
         T.barrier_arrive(k_empty[(g + 1) % num_stages])
         online_softmax(
@@ -705,6 +734,8 @@ def flashattn_fwd(
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
+                if turns and tx < 128:  # the first warpgroup takes the first turn
+                    T.named_barrier_arrive(TURNS, 256)
                 if q_slots > 1 and n_iter > 0 and tile_index(cta, 0) < whole_tiles:
                     # The first tile's first key block on its own; every later tile's starts
                     # under the tile before it (``next_tile_under_last_pv``).
@@ -945,8 +976,9 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     D=128: 128×128 tiles (two consumer warpgroups), two K/V stages; without causal and with
     Sk ≥ 8192, 160 keys a block; without causal, thread blocks in pairs that share each K/V
     block by TMA multicast (``pairs`` in flashattn_fwd). D=64: 192-row tiles (three consumer
-    warpgroups at 160 registers), except causal with Sk ≤ 2048 (128 rows). D=256: 64 keys a
-    block, two stages, O staged in the V ring and stored by TMA.
+    warpgroups at 160 registers, taking turns at the tensor cores: ``turns`` in flashattn_fwd,
+    timed in the BSHD script), except causal with Sk ≤ 2048 (128 rows). D=256: 64 keys a block,
+    two stages, O staged in the V ring and stored by TMA.
     """
     if not arch.startswith("sm_90"):
         raise ValueError(
