@@ -302,8 +302,8 @@ def flashattn_fwd(
     # 8): every pair costs the same and the round-robin deal of pairs stays balanced.
     num_m_blocks = (seq_q + block_M - 1) // block_M
     num_tiles = num_m_blocks * heads * batch
-    # Where the pairs would leave a ragged last round, the tiles come one at a time from a
-    # global counter instead (``counter_section``): ``dynamic``.
+    # Where the pairs would leave a ragged last round, and at D=64 always, the tiles come one
+    # at a time from a global counter instead (``counter_section``): ``dynamic``.
     section = counter_section(
         batch, heads, heads_kv, seq_q, seq_kv, dim, causal, block_M, block_N, num_sms
     )  # fmt: skip
