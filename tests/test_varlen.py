@@ -428,7 +428,9 @@ FORWARD_BUILDS = [
 def test_forward_spills_nothing_and_fits(script, dim, causal):
     """Default tiles: ptxas spills nothing, no stack, no serialized WGMMA; the consumers'
     setmaxnreg rise is covered by the producer's drop (or they would wait forever: a deadlock);
-    shared memory fits an H100 thread block."""
+    shared memory fits an H100 thread block. Three consumer warpgroups (192 rows) take turns
+    at their three GEMM issues (the first S, the loop's S and P V, the last P V), each between
+    a wait on its own named barrier and an arrival on the next one's; two take none."""
     from test_flash_bwd_fast import assert_clean_build
 
     kernel = forward_kernel(script, dim, causal, "bfloat16")
@@ -436,6 +438,10 @@ def test_forward_spills_nothing_and_fits(script, dim, causal):
     threads = int(re.search(r"__launch_bounds__\((\d+), 1\)", src).group(1))
     consumer_regs = int(re.search(r"warpgroup_reg_alloc<(\d+)>", src).group(1))
     assert_clean_build(kernel, threads, 24, consumer_regs)
+    waits = src.count("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 9), 256);")
+    passes = src.count("__named_barrier_arrive(((((((int)threadIdx.x) >> 7) + 1) % 3) + 9), 256);")
+    assert waits == passes == (3 if threads == 3 * 128 + 128 else 0), (waits, passes)
+    assert src.count("__named_barrier_arrive(9, 256);") == (waits > 0)
 
 
 def test_backward_code():

@@ -92,6 +92,7 @@ PASS_CONFIGS = {
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
+TURNS = 9  # named barriers 9, 10, 11: the consumer warpgroups' turns at the tensor cores
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import example_gqa_fwd_varlen as gqa  # noqa: E402  (the GQA varlen script, beside this one)
@@ -155,6 +156,21 @@ def flashattn_fwd_varlen(
             diagonal = row0 + seq_len_k - seq_len_q
             return T.min(seq_len_k // block_N, T.max(0, diagonal // block_N))
         return seq_len_k // block_N
+
+    # Three consumer warpgroups (192-row tiles, D=64) take turns issuing their GEMMs, as in the
+    # dense forward: each waits for its turn on its own named barrier, issues, and hands the
+    # turn to the next, so that one's GEMMs run under the others' softmax.
+    turns = block_M == 192
+
+    @T.macro
+    def turn_wait():
+        if turns:
+            T.sync_threads(TURNS + T.get_thread_binding() // 128, 256)
+
+    @T.macro
+    def turn_pass():
+        if turns:
+            T.named_barrier_arrive(TURNS + (T.get_thread_binding() // 128 + 1) % 3, 256)
 
     @T.macro
     def online_softmax(
@@ -308,6 +324,8 @@ def flashattn_fwd_varlen(
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
+                if turns and T.get_thread_binding() < 128:  # the first warpgroup goes first
+                    T.named_barrier_arrive(TURNS, 256)
                 for it in T.serial(rounds):
                     bz = tiles[it, cta, 2]
                     if bz >= 0:
@@ -328,6 +346,7 @@ def flashattn_fwd_varlen(
                         # Key block 0: S = Q Kᵀ, its softmax; P(0) waits in registers.
                         stage = kv_count % num_stages
                         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
+                        turn_wait()
                         T.wgmma_gemm(
                             Q_shared,
                             K_shared[stage, :, :],
@@ -336,6 +355,7 @@ def flashattn_fwd_varlen(
                             clear_accum=True,
                             policy=T.GemmWarpPolicy.FullRow,
                         )
+                        turn_pass()
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         online_softmax(
@@ -352,6 +372,7 @@ def flashattn_fwd_varlen(
                             stage = g % num_stages
                             prev = (g - 1) % num_stages
                             T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+                            turn_wait()
                             T.wgmma_gemm(
                                 Q_shared,
                                 K_shared[stage, :, :],
@@ -369,6 +390,7 @@ def flashattn_fwd_varlen(
                                 acc_o,
                                 policy=T.GemmWarpPolicy.FullRow,
                             )
+                            turn_pass()
                             T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
                             T.barrier_arrive(k_empty[stage])
                             online_softmax(
@@ -387,12 +409,14 @@ def flashattn_fwd_varlen(
                         g = kv_count + n_blocks - 1
                         stage = g % num_stages
                         T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
+                        turn_wait()
                         T.wgmma_gemm(
                             acc_s_cast,
                             V_shared[stage, :, :],
                             acc_o,
                             policy=T.GemmWarpPolicy.FullRow,
                         )
+                        turn_pass()
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[stage])
 
