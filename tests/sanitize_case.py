@@ -6,7 +6,8 @@ attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, bo
 key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused kernel; and
 its forward on a grid of several tiles a thread block) and packed sequences
 (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen forward and the packed backward,
-with a zero-length sequence, Sq ≠ Sk and partial blocks), the fast backward with its last wave's
+with a zero-length sequence, Sq ≠ Sk and partial blocks; at D = 64 also the forward without a
+mask, whose 192-row tiles take turns), the fast backward with its last wave's
 walks in parts over the queries (non-causal, ragged: tail_split_plan), and the dense forward
 with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
 two parts a tile, merged by the combine kernel), in causal pairs of an odd block count, or in
@@ -118,6 +119,11 @@ for D in (64, 128) if "varlen" in FAMILIES else ():
     grads = torch.autograd.grad(out, leaves, dout)
     torch.cuda.synchronize()
     print(f"varlen D{D}: finite", all(bool(torch.isfinite(t).all()) for t in (out, *grads)))
+    if D == 64:  # without a mask: 192-row tiles, whose three warpgroups take turns
+        with torch.no_grad():
+            out = varlen.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+        torch.cuda.synchronize()
+        print("varlen forward D64 without a mask: finite", bool(torch.isfinite(out).all()))
 
 dense = load_script("flash_attention/example_mha_fwd_bshd.py")
 for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's ring
