@@ -983,7 +983,14 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     With the pairs, 128 and 160 keys a block ran level at S=8192-16384 (643 / 637 and 646 / 645
     TFLOP/s), 176 keys 0.90-0.99x at S ≤ 4096; every consumer warp of both thread blocks
     arriving on rank 0's barrier (instead of rank 1's producer relaying) 0.96-1.02x
-    (2026-11-28, H200).
+    (2026-11-28, H200). The D=64 turns (below) on D=128's two consumer warpgroups measured
+    level (2026-11-28, H200, one process, nine rounds, bf16): 0.997-1.017x without causal and
+    0.996-1.028x causal on seven rows where this kernel timed twice read 0.995-1.054x. With
+    FlashAttention-3's 128x176 tiles, turns and pairs, the first run read 1.031x and 1.035x at
+    S=8192 and 16384 (0.986x at S=4096); a second run an hour later, on six rows of the three
+    layouts at S=8192-16384, read 0.99-1.01x, or 1.00-1.025x with the producer at 24 registers,
+    where its address arithmetic spills 44 bytes (this kernel timed twice: 0.986-1.015x). Not
+    kept.
 
     D=64: 192-row tiles (three consumer warpgroups at 160 registers), except causal with Sk ≤
     2048, where 128-row tiles were much faster (S=1024: 0.99x vs 0.83x cuDNN; S=2048: 0.92-0.97x
@@ -995,7 +1002,11 @@ def default_config(dim, causal, arch="sm_90a", seq_len=None):
     1.03-1.05x without causal at S=1024-16384 and 1.01-1.04x causal at S=4096-16384
     (2026-11-28, H200, one process, nine rounds, B·S = 16k, H64, bf16); on the two warpgroups
     of the 128-row causal tiles at S ≤ 2048 the same measured 0.95-0.98x, and at D=128 level
-    (below): no turns there.
+    (below): no turns there. Waiting for K's mbarrier before the turn instead of inside it
+    (FlashAttention-3's order) measured 0.992-1.011x, not kept. With the turns and the counter,
+    192-row tiles at causal S ≤ 2048 were timed again against the 128-row ones (2026-11-28,
+    H200, bf16 and fp16, the same kernel timed twice 0.994-1.024x): 0.82x at S=1024,
+    0.955-0.983x at S=1500-2048; 128 rows stay.
 
     Tiles of at most ``CROSS_TILE_BLOCKS`` (16) key blocks, where a second Q slot fits beside
     O's buffer (not with 160 keys, nor at D=256), start under the last P V of the tile before
