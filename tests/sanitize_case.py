@@ -7,8 +7,8 @@ key blocks no query reaches: narrow windows take its dQ pass, a wider one the fu
 its forward on a grid of several tiles a thread block) and packed sequences
 (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen forward and the packed backward,
 with a zero-length sequence, Sq ≠ Sk and partial blocks; at D = 64 also the forward without a
-mask, whose 192-row tiles take turns), the fast backward with its last wave's
-walks in parts over the queries (non-causal, ragged: tail_split_plan), and the dense forward
+mask, whose 192-row tiles take turns), the fast backward with its last wave's walks in parts
+over the queries (non-causal, ragged: tail_split_plan), and the dense forward
 with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
 two parts a tile, merged by the combine kernel), in causal pairs of an odd block count, or in
 clusters of two thread blocks sharing K/V by TMA multicast (D = 128 without causal), or from a
