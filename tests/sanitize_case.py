@@ -146,7 +146,7 @@ for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's 
     q6, k6, v6 = (torch.randn(2, 700, 40, D, generator=g, device="cuda") for _ in range(3))
     out6 = dense.attention(*(t.to(torch.bfloat16) for t in (q6, k6, v6)))
     outs = [out, out2, out3, out6]
-    if D == 64:  # causal, 270 tiles: at D=64 always from the counter (counter_section)
+    if D == 64:  # causal, 270 tiles from the counter (counter_section)
         q7, k7, v7 = (torch.randn(1, 1000, 45, D, generator=g, device="cuda") for _ in range(3))
         outs.append(dense.attention(*(t.to(torch.bfloat16) for t in (q7, k7, v7)), causal=True))
     if D == 128:

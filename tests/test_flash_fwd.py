@@ -213,12 +213,11 @@ def test_persistent_grid(script):
         return _grid_size(tir)
 
     assert grid(4, 4096, False, 132) == 132  # 1024 tiles
-    assert grid(4, 4096, True, 114) == 114  # 512 pairs; an H100 PCIe has 114 SMs
+    assert grid(4, 4096, True, 114) == 114  # 1024 tiles from the counter; an H100 PCIe: 114 SMs
     # 8 heads x 8 query blocks: without causal each tile in two parts over its 8 key blocks
     assert grid(1, 1000, False, 132) == 8 * 8 * 2
     assert grid(1, 1000, True, 132) == 8 * 8 * 2  # fewer tiles than SMs: no pairs, parts
-    # 192 tiles: not 96 pairs but all 132 SMs taking tiles from the counter, which the model
-    # of the deal prefers (counter_section)
+    # 192 tiles: not 96 pairs but all 132 SMs taking tiles from the counter (counter_section)
     assert grid(3, 1000, True, 132) == 132
 
 
@@ -401,11 +400,9 @@ def test_d128_pairs_share_kv_by_multicast(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_counter_section(script):
-    """Causal D=128: a tile counter where the model of the pair deal's busiest thread block
-    loses COUNTER_GAIN or more to it (a ragged last round of pairs: B3 H45 S1000, B2 H24 S6000,
-    Sq != Sk), in sections of heads whose K/V fit SECTION_BYTES (dividing the heads; in GQA a
-    group's query heads share theirs); not where the pairs fill their rounds (16k tokens and 32
-    heads). Causal D=64: the counter on every grid of more tiles than SMs (the sweep's too).
+    """Causal D=64 and D=128: the tile counter on every grid of more tiles than SMs (ragged
+    ones, B3 H45 S1000, B2 H24 S6000, Sq != Sk, and the sweep's), in sections of heads whose
+    K/V fit SECTION_BYTES (dividing the heads; in GQA a group's query heads share theirs).
     Never at D=256, without causal, or with fewer tiles than SMs."""
     mod = load_script(script)
 
@@ -419,8 +416,9 @@ def test_counter_section(script):
     assert section(2, 24, 6000, 6000) == 4  # 3 MB a head: ≤ 5 heads, dividing 48
     assert section(2, 45, 700, 1000) > 0 and section(2, 45, 1000, 700) > 0
     for S in (1024, 2048, 4096, 8192, 16384):
-        assert section(16384 // S, 32, S, S) == 0, S
-        # D=64: K and V of a head are S * 256 bytes, 16 MB hold 65536 // S of the 2^20 // S
+        # K and V of a head are S * 512 bytes at D=128 (S * 256 at D=64); 16 MB hold 32768 // S
+        # (65536 // S) of the 2^19 // S (2^20 // S) heads
+        assert section(16384 // S, 32, S, S) == 32768 // S, S
         assert section(16384 // S, 64, S, S, D=64) == 65536 // S, S
     assert section(3, 45, 1000, 1000, D=64) == 45  # 0.25 MB a head: the largest divisor ≤ 65
     assert section(3, 45, 1000, 1000, D=256) == 0
@@ -542,20 +540,20 @@ def test_ragged_keys_without_parts_keep_sk_constant():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_odd_count_builds(script):
-    """Causal grids of an odd block count build for sm_90a without spills: in pairs of two heads
-    (B1 H99 S640: 5 blocks a head, a last head alone: heads_together says so, and the program
-    holds tile_of's two-head order, the only one with a lone last head) and, with fewer tiles
-    than SMs, in parts with the plain order (B1 H2 S1100: 9 blocks a head; two heads together
-    there failed to build in TileLang 0.1.15)."""
+    """Causal grids of an odd block count build for sm_90a without spills: at D=256 in pairs of
+    two heads (B1 H99 S640: 5 blocks a head, a last head alone: heads_together says so, and the
+    program holds tile_of's two-head order, the only one with a lone last head) and, with fewer
+    tiles than SMs, in parts with the plain order (D=128 B1 H2 S1100: 9 blocks a head; two heads
+    together there failed to build in TileLang 0.1.15)."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
 
     mod = load_script(script)
-    for heads, seq in ((99, 640), (2, 1100)):
+    for dim, heads, seq in ((256, 99, 640), (128, 2, 1100)):
         heads = (heads, 1 if heads % 2 else heads // 2) if script == GQA else (heads,)
-        cfg = mod.default_config(128, True, "sm_90a", seq)
-        args = (1, *heads, seq, seq, 128, True, 128**-0.5, "bfloat16")
+        cfg = mod.default_config(dim, True, "sm_90a", seq)
+        args = (1, *heads, seq, seq, dim, True, dim**-0.5, "bfloat16")
         kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
         src = kernel.get_kernel_source()
         report = ptxas_report(src)
@@ -699,9 +697,12 @@ def _gpu_cases():
         (GQA, 1, 100, 3000, 8, 2, 128, False, f16, 1),
     ]
     # Persistent schedule: many tiles per thread block; an odd number of query blocks a head,
-    # causal (two heads' middle blocks pair up; an odd head count leaves a last head alone),
-    # at 128 and 192 query rows a tile; Sq < Sk; each head dim.
+    # causal (from the counter at D=64 and D=128; in pairs at D=256, where two heads' middle
+    # blocks pair up and an odd head count leaves a last head alone), at 128 and 192 query rows
+    # a tile; Sq < Sk; each head dim.
     cases += [
+        (BSHD, 1, 640, 640, 99, 99, 256, True, bf16, 1),
+        (BHSD, 3, 640, 640, 33, 33, 256, True, f16, 1),
         (BSHD, 3, 640, 640, 33, 33, 128, True, bf16, 1),
         (BSHD, 1, 2100, 2100, 16, 16, 64, True, f16, 1),
         (BHSD, 2, 1400, 1400, 24, 24, 128, True, bf16, 1),
@@ -716,7 +717,7 @@ def _gpu_cases():
         (BSHD, 1, 4100, 4100, 8, 8, 256, False, f16, 10),
         (BHSD, 2, 700, 1000, 24, 24, 128, True, f16, 1),
         (GQA, 2, 1000, 1000, 32, 4, 64, True, bf16, 1),
-        # causal D=128 where the pairs leave a ragged last round: the tiles from a counter,
+        # causal D=128 where pairs would leave a ragged last round: the tiles from the counter,
         # with two Q slots (S=1000) and one (S=3000); Sq < Sk, and Sq > Sk (rows without keys)
         (BSHD, 3, 1000, 1000, 45, 45, 128, True, bf16, 1),
         (BSHD, 1, 3000, 3000, 28, 28, 128, True, f16, 10),
