@@ -403,7 +403,8 @@ def test_counter_section(script):
     """Causal D=64 and D=128: the tile counter on every grid of more tiles than SMs (ragged
     ones, B3 H45 S1000, B2 H24 S6000, Sq != Sk, and the sweep's), in sections of heads whose
     K/V fit SECTION_BYTES (dividing the heads; in GQA a group's query heads share theirs).
-    Never at D=256, without causal, or with fewer tiles than SMs."""
+    At D=256 only where the model of the pair deal leaves a ragged last round (COUNTER_GAIN).
+    Never without causal, or with fewer tiles than SMs."""
     mod = load_script(script)
 
     def section(B, H, Sq, Sk, D=128, causal=True, groups=1):
@@ -421,7 +422,14 @@ def test_counter_section(script):
         assert section(16384 // S, 32, S, S) == 32768 // S, S
         assert section(16384 // S, 64, S, S, D=64) == 65536 // S, S
     assert section(3, 45, 1000, 1000, D=64) == 45  # 0.25 MB a head: the largest divisor ≤ 65
-    assert section(3, 45, 1000, 1000, D=256) == 0
+    # D=256, 128 x 64 tiles: 45 heads of 8 blocks, 1.8 pairs a thread block (1.18 in the
+    # model), and 20 heads of 24 (1.08) take the counter; 16k tokens and 16 heads (1.01-1.03),
+    # and two heads' pairs of 5 blocks (B1 H99 S640), keep the pairs
+    assert section(3, 15, 1000, 1000, D=256) == 15
+    assert section(1, 20, 3000, 3000, D=256) > 0
+    for S in (1024, 2048, 4096):
+        assert section(16384 // S, 16, S, S, D=256) == 0, S
+    assert section(1, 99, 640, 640, D=256) == 0
     for D in (64, 128):
         assert section(3, 45, 1000, 1000, D=D, causal=False) == 0
         assert section(1, 4, 1000, 1000, D=D) == 0
@@ -697,8 +705,9 @@ def _gpu_cases():
         (GQA, 1, 100, 3000, 8, 2, 128, False, f16, 1),
     ]
     # Persistent schedule: many tiles per thread block; an odd number of query blocks a head,
-    # causal (from the counter at D=64 and D=128; in pairs at D=256, where two heads' middle
-    # blocks pair up and an odd head count leaves a last head alone), at 128 and 192 query rows
+    # causal (from the counter at D=64 and D=128; at D=256 in pairs, where two heads' middle
+    # blocks pair up and an odd head count leaves a last head alone, and from the counter at B2
+    # H40 S1000, where the pairs leave a ragged last round), at 128 and 192 query rows
     # a tile; Sq < Sk; each head dim.
     cases += [
         (BSHD, 1, 640, 640, 99, 99, 256, True, bf16, 1),
@@ -717,6 +726,9 @@ def _gpu_cases():
         (BSHD, 1, 4100, 4100, 8, 8, 256, False, f16, 10),
         (BHSD, 2, 700, 1000, 24, 24, 128, True, f16, 1),
         (GQA, 2, 1000, 1000, 32, 4, 64, True, bf16, 1),
+        # causal D=256 where the pairs would leave a ragged last round: from the counter
+        (GQA, 3, 1000, 1000, 15, 5, 256, True, bf16, 1),
+        (BHSD, 1, 3000, 3000, 20, 20, 256, True, f16, 1),
         # causal D=128 where pairs would leave a ragged last round: the tiles from the counter,
         # with two Q slots (S=1000) and one (S=3000); Sq < Sk, and Sq > Sk (rows without keys)
         (BSHD, 3, 1000, 1000, 45, 45, 128, True, bf16, 1),

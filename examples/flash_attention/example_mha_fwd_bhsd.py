@@ -28,9 +28,10 @@ What it shows on Hopper (the schedule FlashAttention-3 uses, written out by hand
   causal tiles come from a global tile counter (an atomic add, as FlashAttention-3's
   scheduler): a thread block's producer takes its next tile, heaviest first, as it issues the
   last loads of the one before, and hands the index to the consumers beside that tile's Q
-  (``counter_section``); at D=256 they go in pairs of equal cost instead, a head's heaviest
-  query block with its lightest (with an odd count, two heads together where the deal would
-  keep handing the dear pair to the same SMs: ``tile_of``, ``heads_together``);
+  (``counter_section``); at D=256, where the rounds come out even, they go in pairs of equal
+  cost instead, a head's heaviest query block with its lightest (with an odd count, two heads
+  together where the deal would keep handing the dear pair to the same SMs: ``tile_of``,
+  ``heads_together``);
 - thread-block clusters and TMA multicast (D=128 without causal): thread blocks go in pairs, a
   cluster of two walking neighbouring query blocks of one head, and each K/V block is loaded
   once into both by one multicast; the pair's own mbarrier (rank 1 arrives on rank 0's from
@@ -71,6 +72,7 @@ Run:
 """
 
 import functools
+import heapq
 import math
 import numbers
 import pathlib
@@ -102,6 +104,7 @@ TURNS = 9  # named barriers 9, 10, 11: the consumer warpgroups' turns at the ten
 MIN_PART_BLOCKS = 4  # key blocks a part walks at least (its Q load and epilogue are fixed costs)
 PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
 CROSS_TILE_BLOCKS = 16  # key blocks a tile has at most for Q's two slots (flashattn_fwd)
+COUNTER_GAIN = 1.05  # counter_section at D=256: the modelled gain over the pair deal that pays
 SECTION_BYTES = 16 << 20  # counter_section: K and V of a section's heads, to stay in L2
 
 
@@ -209,7 +212,9 @@ def counter_section(batch, heads, seq_q, seq_kv, dim, causal, block_M, block_N, 
     mean. A global counter hands out the tiles one at a time instead, to whichever thread block
     is free, heaviest first (longest processing time first) within sections of heads whose K and
     V fit ``SECTION_BYTES`` (they stay in L2 while the section runs). At D=64 and D=128 every
-    causal grid of more tiles than SMs takes the counter; the pairs stay at D=256.
+    causal grid of more tiles than SMs takes the counter. At D=256 the two are weighed by a model
+    of the busiest thread block (a tile's cost: its key blocks plus one), and the counter is
+    taken where it gains ``COUNTER_GAIN`` or more.
 
     Measured on example_mha_fwd_bshd.py, the same kernel in BSHD (2026-11-28, H200, one process
     against the pairs; benchmarks/results/fwd_schedule_trials.md): 1.07-1.13x on six causal
@@ -222,14 +227,30 @@ def counter_section(batch, heads, seq_q, seq_kv, dim, causal, block_M, block_N, 
     S=8192. At D=64 it measured 1.06-1.17x on six ragged grids (B3 H45 S1000 1.160, B1 H28 S3000
     1.132, B1 H20 S10000 1.168, B2 H36 S5000 1.064, fp16 B3 H8 S1000 1.068 and B2 H24 S4500
     1.091), and on the sweep's grids (16k tokens, 64 heads) 1.01-1.04x at S=2048-16384, level at
-    S=1024 (0.998)."""
+    S=1024 (0.998).
+
+    At D=256 (2026-11-29, H200, bf16, two runs of eleven rounds): 1.135x and 1.144x on B3 H15
+    S1000 (1.18 in the model), 1.03x and 1.04x on B1 H20 S3000 (1.08); on 16k tokens and 16
+    heads (1.01-1.03 in the model) 0.986-0.998x at S=1024, 0.987-0.991x at S=2048 (fp16
+    0.978-0.993x), 1.015-1.023x at S=4096 and 0.986-0.990x with four kv heads (GQA): the pairs
+    stay there."""
     nm, flat = -(-seq_q // block_M), batch * heads
     num_tiles = nm * flat
-    if not causal or dim not in (64, 128) or num_tiles <= num_sms:
+    if not causal or num_tiles <= num_sms:
         return 0
     cap = max(1, SECTION_BYTES // (seq_kv * dim * 2 * 2))
     section = max(d for d in range(1, min(cap, flat) + 1) if flat % d == 0)
-    return section
+    if dim in (64, 128):
+        return section
+    costs = causal_costs(seq_q, seq_kv, block_M, block_N)
+    grid = min(num_sms, (num_tiles + 1) // 2)
+    pairs = pair_deal_busiest(nm, flat, grid, costs, heads_together(nm, flat, grid, costs))
+    free = [0] * num_sms  # when each thread block is next free (a heap)
+    for _ in range(flat // section):
+        for m in range(nm - 1, -1, -1):  # a section's tiles, heaviest query blocks first
+            for _ in range(section):
+                heapq.heapreplace(free, free[0] + costs[m])
+    return section if pairs >= COUNTER_GAIN * max(free) else 0
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -284,8 +305,9 @@ def flashattn_fwd(
     # 8): every pair costs the same and the round-robin deal of pairs stays balanced.
     num_m_blocks = (seq_q + block_M - 1) // block_M
     num_tiles = num_m_blocks * heads * batch
-    # Causal grids of more tiles than SMs at D=64 and D=128 take their tiles one at a time
-    # from a global counter (``counter_section``): ``dynamic``.
+    # Causal grids of more tiles than SMs at D=64 and D=128, and at D=256 where the pairs would
+    # leave a ragged last round, take their tiles one at a time from a global counter
+    # (``counter_section``): ``dynamic``.
     section = counter_section(
         batch, heads, seq_q, seq_kv, dim, causal, block_M, block_N, num_sms
     )  # fmt: skip
