@@ -232,11 +232,10 @@ def counter_section(batch, heads, heads_kv, seq_q, seq_kv, dim, causal, block_M,
     1.091), and on the sweep's grids (16k tokens, 64 heads) 1.01-1.04x at S=2048-16384, level at
     S=1024 (0.998).
 
-    At D=256 (2026-11-29, H200, bf16, two runs of eleven rounds): 1.135x and 1.144x on B3 H15
-    S1000 (1.18 in the model), 1.03x and 1.04x on B1 H20 S3000 (1.08); on 16k tokens and 16
-    heads (1.01-1.03 in the model) 0.986-0.998x at S=1024, 0.987-0.991x at S=2048 (fp16
-    0.978-0.993x), 1.015-1.023x at S=4096 and 0.986-0.990x with four kv heads (this script):
-    the pairs stay there."""
+    At D=256 (2026-11-29, H200; the rows in example_mha_fwd_bshd.py's ``counter_section`` and
+    benchmarks/results/fwd_d256.md): 1.14x where the model gives 1.18, 1.03-1.04x at 1.08,
+    0.978-1.023x where the pairs fill their rounds (1.01-1.03 in the model): the pairs stay
+    there."""
     nm, flat = -(-seq_q // block_M), batch * heads
     num_tiles = nm * flat
     if not causal or num_tiles <= num_sms:
