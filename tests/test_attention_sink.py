@@ -282,23 +282,31 @@ def test_kernel_tile_loop_matches_reference(Sq, Sk, window, causal, tile):
 
 # ----------------------------------------------------------------------------- script (CPU)
 def test_tile_order_is_the_dense_forwards():
-    """The sink forward deals its tiles in the dense forward's order: plain, or paired
-    heaviest with lightest (a window bounded on one side), odd counts' middle blocks together
-    where the same model of the deal says so."""
-    sink, dense = load_script(FWD), load_script("flash_attention/example_mha_fwd_bshd.py")
-    cases = itertools.product((1, 4, 5, 11), (1, 3, 4), (1, 3), (0, 1), (0, 1))
-    for nm, heads, batch, paired, two_heads in cases:
-        two_heads = two_heads and nm % 2 == 1 and nm > 1 and heads * batch > 1
-        tiles = range(nm * heads * batch)
-        assert [sink.tile_of(t, nm, heads, batch, paired, two_heads) for t in tiles] == [
-            dense.tile_of(t, nm, heads, batch, paired, two_heads) for t in tiles
-        ]
-    assert sink.PAIR_GAIN == dense.PAIR_GAIN
-    for nm, flat, grid in ((11, 384, 132), (63, 32, 132), (5, 99, 132), (9, 27, 100)):
-        costs = [m + 2 for m in range(nm)]
-        assert sink.heads_together(nm, flat, grid, costs) == dense.heads_together(
-            nm, flat, grid, costs
-        )
+    """The sink forward deals its tiles as the dense forwards do at D=64 and D=128: round-robin,
+    a head's query blocks in a row, or (a window bounded on one side only, more tiles than thread
+    blocks) from the tile counter, in sections of the dense GQA forward's size, heaviest query
+    blocks first: the last ones for a window bounded on the right, the first for one bounded on
+    the left. Either order lists every (query block, head, batch) once."""
+    sink, dense = load_script(FWD), load_script("flash_attention/example_gqa_fwd_bshd.py")
+    grids = ((3, 45, 5, 1000), (1, 28, 4, 3000), (2, 64, 8, 4096), (1, 4, 1, 1000))
+    for (B, H, Hkv, S), D, block_M in itertools.product(grids, (64, 128), (128, 192)):
+        section = dense.counter_section(B, H, Hkv, S, S, D, True, block_M, 128, 132)
+        assert sink.counter_section(B, H, Hkv, S, S, D, True, block_M, 132) == section
+        assert sink.counter_section(B, H, Hkv, S, S, D, False, block_M, 132) == 0
+    assert sink.counter_section(3, 45, 5, 1000, 1000, 128, True, 128, 132) == 135
+    assert sink.counter_section(1, 4, 1, 1000, 1000, 128, True, 128, 132) == 0  # 32 tiles
+    for nm, heads, batch, section in ((8, 4, 3, 0), (8, 4, 3, 4), (11, 6, 1, 3), (5, 2, 2, 1)):
+        for heavy_last in (True, False):
+            tiles = [
+                sink.tile_of(t, nm, heads, section, heavy_last) for t in range(nm * heads * batch)
+            ]
+            assert sorted(tiles) == list(itertools.product(range(nm), range(heads), range(batch)))
+            if section:  # a section's heads each give their heaviest block first
+                heaviest = nm - 1 if heavy_last else 0
+                assert [m for m, _, _ in tiles[:section]] == [heaviest] * section
+                assert len({h + heads * b for _, h, b in tiles[:section]}) == section
+            else:
+                assert [m for m, _, _ in tiles[:nm]] == list(range(nm))
 
 
 def test_script_contract():
@@ -394,6 +402,9 @@ BUILDS = [
     (128, 4096, 4096, (-1, -1), False, True, "float16"),
     (128, 1000, 777, (-1, -1), True, False, "bfloat16"),
     (128, 4096, 4096, (64, 64), False, False, "float16"),
+    # windows bounded on one side, more tiles than SMs: from the tile counter
+    (64, 2048, 2048, (-1, -1), True, True, "bfloat16"),
+    (64, 1000, 1000, (200, -1), False, False, "float16"),
 ]
 
 
@@ -418,8 +429,9 @@ def _build(build, **cfg):
 @pytest.mark.parametrize("build", BUILDS, ids=_build_id)
 def test_sm90_build_holds_the_schedule_and_spills_nothing(build):
     """Producer/consumer register split (setmaxnreg), TMA and mbarriers between them,
-    asynchronous WGMMA with the softmax overlapping P V; the sinks read only when given; shared
-    memory within an SM's; ptxas: no spills, no stack, no serialized WGMMA."""
+    asynchronous WGMMA with the softmax overlapping P V; the sinks read only when given; the
+    tile counter's atomic where counter_section takes it; shared memory within an SM's; ptxas:
+    no spills, no stack, no serialized WGMMA."""
     from test_flash_bwd_fast import assert_clean_build
 
     kernel, cfg = _build(build)
@@ -434,6 +446,12 @@ def test_sm90_build_holds_the_schedule_and_spills_nothing(build):
     assert "wgmma_ss" in src and "wgmma_rs" in src  # Q Kᵀ from shared, P V with P in registers
     assert src.count("wait_wgmma<1>") >= 1, "Q Kᵀ of block k overlaps P V of block k-1"
     assert ("Sinks[" in src) == build[5]
+    mod = load_script(FWD)
+    D, Sq, Sk, window, causal = build[:5]
+    left, right = mod.normalize_window(window, causal, Sq, Sk)
+    one_sided = (left < 0) != (right < 0)
+    counted = mod.counter_section(2, 16, 2, Sq, Sk, D, one_sided, cfg["block_M"], 132 * ctas)
+    assert ("AtomicAddRet(" in src) == bool(counted)
     assert_clean_build(kernel, threads, 24, regs)
 
 
@@ -778,10 +796,12 @@ def test_forward_matches_reference(case, poisoned_empty):
         (2, 1000, 255, 8, 2, 128, (3, 0), True, torch.float16, 1),  # 745 rows see no key
         (2, 300, 300, 16, 1, 64, (0, 0), False, torch.bfloat16, 1),  # one key a row
         (3, 1000, 1000, 32, 4, 128, (128, 0), True, torch.bfloat16, 1),  # many tiles per SM
-        (3, 1000, 1000, 32, 4, 64, (-1, -1), True, torch.float16, 1),  # causal pairs
+        # one-sided windows with more tiles than SMs: the tiles from the counter
+        (3, 1000, 1000, 32, 4, 64, (-1, -1), True, torch.float16, 1),  # causal
         (3, 1400, 1400, 9, 3, 128, (-1, -1), True, torch.bfloat16, 1),  # 11 blocks, 27 heads
         (2, 1000, 1000, 40, 40, 128, (-1, 200), False, torch.float16, 1),  # left unbounded
         (2, 1000, 1000, 40, 5, 64, (200, -1), False, torch.bfloat16, 1),  # right unbounded
+        (1, 3000, 3000, 28, 4, 64, (-1, -1), True, torch.bfloat16, 1),  # 192-row tiles, 1 Q slot
         (1, 4096, 4096, 16, 16, 128, (4095, 0), False, torch.float16, 1),  # = causal
         (2, 255, 255, 16, 1, 128, (64, 64), True, torch.bfloat16, 1),  # causal: (64, 0)
     ],

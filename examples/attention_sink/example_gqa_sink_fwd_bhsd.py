@@ -24,7 +24,8 @@ What it teaches, on top of the hand-scheduled persistent forward of
 ``examples/flash_attention/example_gqa_fwd_bshd.py`` (a producer warp issuing TMA loads into
 a K/V ring guarded by full/empty mbarriers, consumer warpgroups with asynchronous WGMMA and
 ``setmaxnreg``, the softmax of key block k overlapping the P V GEMM of block k−1, one thread block
-per SM walking a list of tiles):
+per SM walking a list of tiles; with a window bounded on one side only, and more tiles than SMs,
+the tiles come one at a time from a global counter, heaviest first: ``counter_section``):
 
 - a window is a range of key blocks: a query tile visits only the blocks that hold a key some
   row of the tile can see (``window_key_blocks``); blocks entirely outside the window are never
@@ -109,7 +110,7 @@ PASS_CONFIGS = {
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
-PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
+SECTION_BYTES = 16 << 20  # counter_section: K and V of a section's heads, to stay in L2
 
 
 # ----------------------------------------------------------------------------- window blocks
@@ -166,60 +167,38 @@ def window_mask_runs(m_blk, n_start, n_blocks, block_M, block_N, seq_q, seq_kv, 
 
 
 # ----------------------------------------------------------------------------- kernel
-def tile_of(t, num_m_blocks, heads, batch, paired, two_heads):
-    """(query block, head, batch) of tile t, in flashattn_fwd's order. Tiles of one head are
-    consecutive, so thread blocks running side by side share K/V in L2; ``paired`` (a window
-    bounded on one side), a head's query blocks alternate heaviest and lightest (7, 0, 6, 1,
-    ... of 8), so that consecutive tiles pair up into equal costs. An odd count leaves each
-    head's middle block unpaired (5 of 11); with ``two_heads`` (``heads_together``) two heads
-    go together, the first's paired blocks, the second's, and the two middle blocks last, a
-    pair of the same cost. (Without it the middle block pairs with the next head's first.)"""
-    nm, flat = num_m_blocks, batch * heads
+def counter_section(batch, heads, heads_kv, seq_q, seq_kv, dim, one_sided, block_M, slots):
+    """Heads a section of the tile counter's order holds, or 0 for the round-robin deal.
 
-    def alternate(r):
-        # r even: nm - 1 - r // 2, r odd: r // 2. Written as arithmetic: a select
-        # (T.if_then_else) here trips TileLang 0.1.15's ThreadSync pass on some shapes.
-        return r // 2 + (1 - r % 2) * (nm - 1 - r // 2 * 2)
-
-    if not paired:
-        m_blk, f = t % nm, t // nm
-    elif not two_heads:
-        m_blk, f = alternate(t % nm), t // nm
-    else:
-        pair, s = t // (2 * nm), t % (2 * nm)
-        middle = s // (2 * nm - 2)  # 1 for the two middle blocks
-        s_paired = s % (2 * nm - 2)
-        second = (1 - middle) * (s_paired // (nm - 1)) + middle * s_paired
-        m_pair = (1 - middle) * alternate(s_paired % (nm - 1)) + middle * (nm // 2)
-        # An odd number of heads leaves the last one alone, in the plain order (its middle
-        # block comes last there too).
-        alone = t // ((flat - 1) * nm) if flat % 2 else 0
-        m_blk = alone * alternate(t % nm) + (1 - alone) * m_pair
-        f = alone * (t // nm) + (1 - alone) * (2 * pair + second)
-    return m_blk, f % heads, f // heads
+    A window bounded on one side only (causal without a left bound, say) makes a tile's cost grow
+    or shrink along the sequence. With more tiles than thread blocks (``slots``: SMs times thread
+    blocks an SM), a global counter then hands the tiles out one at a time, to whichever thread
+    block is free, heaviest first (longest processing time first) within sections of heads whose
+    K and V fit ``SECTION_BYTES`` (they stay in L2 while the section runs; a group's query heads
+    share theirs): the scheduler of the dense forwards at D=64 and D=128
+    (examples/flash_attention/example_gqa_fwd_bshd.py, ``counter_section``). A window bounded on
+    both sides, or on neither, costs about the same for every tile: those go round-robin."""
+    nm, flat = -(-seq_q // block_M), batch * heads
+    if not one_sided or nm * flat <= slots:
+        return 0
+    cap = max(1, SECTION_BYTES * heads // (seq_kv * dim * 2 * 2 * heads_kv))
+    return max(d for d in range(1, min(cap, flat) + 1) if flat % d == 0)
 
 
-def heads_together(num_m_blocks, flat, grid, costs):
-    """Whether the pairs of an odd block count go two heads at a time (``tile_of``), for
-    ``flat`` heads (batch × heads) dealt a pair at a time round-robin over ``grid`` thread
-    blocks; ``costs[m]``: query block m's cost (its key blocks, plus one for the tile's own
-    work). Each head's middle block otherwise pairs with the next head's first, one dearer (or
-    cheaper) pair every ``num_m_blocks``; where the deal brings those pairs to the same thread
-    blocks round after round (11 or 33 blocks on 132 SMs) the slowest carries about 1.4× the
-    mean. The two orders are weighed by the busiest thread block's cost, and two heads go
-    together only where that gains ``PAIR_GAIN`` or more: below it the measured effect went
-    both ways (``benchmarks/results/fwd_tile_order.md``)."""
+def tile_of(t, num_m_blocks, heads, section, heavy_last):
+    """(query block, head, batch) of tile t, in flashattn_fwd's order. Round-robin (``section``
+    0): a head's query blocks in a row, so thread blocks running side by side share K/V in L2.
+    From the counter: sections of ``section`` heads, in each the heaviest query blocks first (the
+    last ones when ``heavy_last``: a window bounded on the right only), one of each head."""
     nm = num_m_blocks
-    if nm % 2 == 0 or nm == 1 or flat == 1:
-        return False
-
-    def busiest(two_heads):
-        loads = [0] * grid
-        for t in range(nm * flat):
-            loads[t // 2 % grid] += costs[tile_of(t, nm, flat, 1, True, two_heads)[0]]
-        return max(loads)
-
-    return busiest(False) >= PAIR_GAIN * busiest(True)
+    if section == 0:
+        m_blk, f = t % nm, t // nm
+    else:
+        r = t % (section * nm)
+        f = t // (section * nm) * section + r % section
+        rank = r // section  # 0: the heaviest query block
+        m_blk = nm - 1 - rank if heavy_last else rank
+    return m_blk, f % heads, f // heads
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -270,35 +249,29 @@ def flashattn_fwd(
     # rows of one head), so the producer loads the next tile's Q and K while the consumers
     # finish the last one. When the window is bounded on one side only (causal without a left
     # bound, say), a tile's cost grows or shrinks along the sequence; when there are more tiles
-    # than SMs they then go in pairs, the heaviest and the lightest query block of a head
-    # together, so every pair costs about the same. A window bounded on both sides costs about
-    # the same for every tile: no pairs.
+    # than thread blocks they then come one at a time from a global counter, heaviest first
+    # (``counter_section``): ``dynamic``. A window bounded on both sides costs about the same
+    # for every tile: round-robin.
     num_m_blocks = (seq_q + block_M - 1) // block_M
     num_tiles = num_m_blocks * heads * batch
     one_sided = (window_left < 0) != (window_right < 0)
-    tiles_per_unit = 2 if one_sided and num_tiles > num_sms else 1
-    num_units = (num_tiles + tiles_per_unit - 1) // tiles_per_unit
-    grid = min(num_sms * ctas_per_sm, num_units)
+    section = counter_section(
+        batch, heads, heads_kv, seq_q, seq_kv, dim, one_sided, block_M, num_sms * ctas_per_sm
+    )  # fmt: skip
+    dynamic = section > 0
+    grid = min(num_sms * ctas_per_sm, num_tiles)
 
     def tile_index(cta, it):
-        # The it-th tile of thread block cta: units dealt round-robin, a unit's tiles in a row.
-        # Only the very last unit can be short (t >= num_tiles: no tile).
-        return (cta + it // tiles_per_unit * grid) * tiles_per_unit + it % tiles_per_unit
+        # The it-th tile of thread block cta, round-robin (t >= num_tiles: no tile); with the
+        # counter only a thread block's first (its cta).
+        return cta + it * grid
 
     def key_range(m_blk):
         return window_key_blocks(m_blk, block_M, block_N, seq_q, seq_kv, window_left, window_right)
 
-    # Odd block counts, in pairs: two heads together where the model of the deal says it pays
-    # (``heads_together``).
-    costs = [int(key_range(m)[1]) + 1 for m in range(num_m_blocks)]
-    two_heads = tiles_per_unit == 2 and heads_together(num_m_blocks, heads * batch, grid, costs)
-
     def tile_coords(t):
-        # (query block, head, batch) of tile t. Tiles of one head are consecutive, so thread
-        # blocks running side by side share K/V in L2; in pairs, a head's query blocks
-        # alternate heaviest and lightest, and an odd count's middle blocks pair up two heads
-        # at a time (``tile_of``).
-        return tile_of(t, num_m_blocks, heads, batch, tiles_per_unit == 2, two_heads)
+        # (query block, head, batch) of tile t (``tile_of``).
+        return tile_of(t, num_m_blocks, heads, section, window_right >= 0)
 
     def mask_runs(m_blk, n_start, n_blocks):
         return window_mask_runs(
@@ -309,13 +282,17 @@ def flashattn_fwd(
     # T.macro is inlined where it is called: the generated CUDA is the same as with the steps
     # written out in the loops below.
     @T.macro
-    def load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz):
+    def load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz, tile_ids=None, t=None):
         slot = tile_count % q_stages
         # Producer: wait until the consumers are done with the last tile's Q, then load this
         # one. A fresh mbarrier counts as having completed the phase before phase 0, so the
         # first wait on an "empty" barrier (parity 1) passes at once. Rows past Sq read as
-        # zeros (TMA fills out of bounds).
+        # zeros (TMA fills out of bounds). ``tile_ids``: with the counter, the tile's index t
+        # goes beside its Q, for the consumers to read once Q has landed (the mbarrier's
+        # arrival publishes it).
         T.mbarrier_wait_parity(q_empty[slot], ((tile_count // q_stages) & 1) ^ 1)
+        if tile_ids is not None and T.get_thread_binding() == consumers:
+            tile_ids[slot] = t
         T.tma_copy(
             Q[bz, by, m_blk * block_M : (m_blk + 1) * block_M, :],
             Q_shared[slot, :, :],
@@ -523,15 +500,8 @@ def flashattn_fwd(
         # P in 16 bits now, so that S's registers are free again for this tile's epilogue.
         T.copy(acc_s, acc_s_cast)
 
-    @T.prim_func
-    def flash_fwd(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(kv_shape, dtype),
-        V: T.Tensor(kv_shape, dtype),
-        Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
-        Output: T.Tensor(q_shape, dtype),
-        lse: T.Tensor([batch, heads, seq_q], accum_dtype),
-    ):
+    @T.macro
+    def kernel_body(Q, K, V, Sinks, Output, lse, counter=None):
         with T.Kernel(grid, threads=consumers + 128) as cta:
             if ctas_per_sm > 1:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
@@ -568,9 +538,19 @@ def flashattn_fwd(
             kv_count = T.alloc_var("int32")
             tile_count = T.alloc_var("int32")
             sink = T.alloc_var(accum_dtype)  # this tile's sink logit (consumers)
+            tile_ids = None
+            if dynamic:  # the index of the tile whose Q is in each slot
+                tile_ids = T.alloc_shared([q_stages], "int32")
             kv_count = 0
             tile_count = 0
-            n_iter = T.ceildiv(num_units - cta, grid) * tiles_per_unit
+            n_iter = T.ceildiv(num_tiles - cta, grid)
+            if dynamic:
+                # With the counter, a side's tile and the next: the loops below run until the
+                # counter has passed the last tile (``num_tiles`` only bounds them).
+                n_iter = num_tiles
+                t_dyn = T.alloc_var("int32")
+                t_next = T.alloc_var("int32")
+                t_dyn = cta
             tx = T.get_thread_binding()
 
             if tx >= consumers:
@@ -580,11 +560,14 @@ def flashattn_fwd(
                 # would only poll the ring's mbarriers beside the consumers.
                 if tx < consumers + 32:
                     for it in T.serial(n_iter):
-                        t = tile_index(cta, it)
+                        t = t_dyn if dynamic else tile_index(cta, it)
                         if t < num_tiles:
                             m_blk, by, bz = tile_coords(t)
                             n_start, n_blocks = key_range(m_blk)
-                            load_q(Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz)
+                            load_q(
+                                Q, Q_shared, q_full, q_empty, tile_count, m_blk, by, bz, tile_ids,
+                                t,
+                            )  # fmt: skip
                             for k in T.serial(n_blocks):
                                 load_kv(
                                     K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
@@ -592,6 +575,22 @@ def flashattn_fwd(
                                 )  # fmt: skip
                             kv_count = kv_count + n_blocks
                             tile_count = tile_count + 1
+                        if dynamic:
+                            # The next tile, taken as this one's last K/V loads are out; the
+                            # counter starts at 0, and every thread block's first tile is cta.
+                            t_next = 0
+                            if tx == consumers:
+                                t_next = T.atomic_add(counter[0], 1, return_prev=True)
+                            t_dyn = T.shfl_sync(t_next, 0) + grid
+                            if t_dyn >= num_tiles:
+                                T.loop_break()
+                    if dynamic:
+                        # None left: the consumers find an index past the last beside no Q.
+                        slot = tile_count % q_stages
+                        T.mbarrier_wait_parity(q_empty[slot], ((tile_count // q_stages) & 1) ^ 1)
+                        if tx == consumers:
+                            tile_ids[slot] = t_dyn
+                        T.barrier_arrive(q_full[slot])
             else:
                 # ---------------------------------------------------------- consumer warpgroups
                 T.set_max_nreg(consumer_regs, 1)
@@ -604,7 +603,7 @@ def flashattn_fwd(
                         scores_max, scores_max_prev, scores_scale, scores_sum, logsum,
                     )  # fmt: skip
                 for it in T.serial(n_iter):
-                    t = tile_index(cta, it)
+                    t = t_dyn if dynamic else tile_index(cta, it)
                     if t < num_tiles:
                         m_blk, by, bz = tile_coords(t)
                         n_start, n_blocks = key_range(m_blk)
@@ -651,7 +650,12 @@ def flashattn_fwd(
                         row_factors(logsum, scores_max, sink, factor, lse, m_blk, by, bz)
 
                         g = kv_count + n_blocks - 1
-                        t_next = tile_index(cta, it + 1)
+                        if not dynamic:
+                            t_next = tile_index(cta, it + 1)
+                        elif cross_tile:  # the next tile's index, beside its Q (needed now)
+                            qn = (tile_count + 1) % q_stages
+                            T.mbarrier_wait_parity(q_full[qn], (tile_count + 1) // q_stages & 1)
+                            t_next = tile_ids[qn]
                         if cross_tile and it + 1 < n_iter and t_next < num_tiles:
                             next_tile_under_last_pv(
                                 tile_coords(t_next)[0], g, tile_count + 1, Q_shared, K_shared,
@@ -671,6 +675,43 @@ def flashattn_fwd(
                             T.fill(acc_o, 0)  # the next tile's P V accumulates from zero
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
+                    if dynamic:
+                        if not cross_tile:
+                            # The next tile's index, beside its Q: waited for only now, so
+                            # that its load delays nothing of this tile's.
+                            slot = tile_count % q_stages
+                            T.mbarrier_wait_parity(q_full[slot], (tile_count // q_stages) & 1)
+                            t_next = tile_ids[slot]
+                        t_dyn = t_next
+                        if t_dyn >= num_tiles:
+                            T.loop_break()
+
+    if dynamic:  # one more argument: the tile counter, zero at launch
+
+        @T.prim_func
+        def flash_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
+            Output: T.Tensor(q_shape, dtype),
+            lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+            counter: T.Tensor([1], "int32"),
+        ):
+            kernel_body(Q, K, V, Sinks, Output, lse, counter)
+
+    else:
+
+        @T.prim_func
+        def flash_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype),
+            Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
+            Output: T.Tensor(q_shape, dtype),
+            lse: T.Tensor([batch, heads, seq_q], accum_dtype),
+        ):
+            kernel_body(Q, K, V, Sinks, Output, lse)
 
     return flash_fwd
 
@@ -895,7 +936,16 @@ def forward_plan(B, H, Hkv, Sq, Sk, D, window_size, causal, has_sinks, softmax_s
     if not config and cfg["ctas_per_sm"] > 1:  # one thread block where two do not build
         single = single_cta_config(D, (left, right), arch, Sk)
         return entry(build_with_fallback(build, cfg, single, (args, num_sms)))
-    return entry(build(cfg))
+    launch = entry(build(cfg))
+    one_sided = (left < 0) != (right < 0)
+    slots = num_sms * cfg.get("ctas_per_sm", 1)
+    if counter_section(B, H, Hkv, Sq, Sk, D, one_sided, cfg.get("block_M", 128), slots):
+        # The tiles from a counter (one more argument), which starts at zero at every launch.
+        def launch_counted(*tensors):
+            launch(*tensors, torch.zeros(1, dtype=torch.int32, device=tensors[0].device))
+
+        return launch_counted
+    return launch
 
 
 def entry(kernel):
