@@ -174,13 +174,14 @@ def flashattn_fwd_varlen(
 
     @T.macro
     def online_softmax(
-        k, first_masked, seq_len_k, diagonal, acc_s, scores_max, scores_max_prev, scores_scale,
+        k, masked, seq_len_k, diagonal, acc_s, scores_max, scores_max_prev, scores_scale,
         scores_sum, logsum,
     ):  # fmt: skip
-        # acc_s holds S = Q Kᵀ of key block k: mask it, fold it into the running row max and
-        # row sum, and turn it into P = exp2(S·scale - max·scale). Keys past seq_len_k belong to
-        # the next sequence: they never get in. Row i sees key j when j <= diagonal + i (causal).
-        if k >= first_masked:
+        # acc_s holds S = Q Kᵀ of key block k: mask it (``masked``: a bool, or a condition
+        # tested at run time), fold it into the running row max and row sum, and turn it into
+        # P = exp2(S·scale - max·scale). Keys past seq_len_k belong to the next sequence: they
+        # never get in. Row i sees key j when j <= diagonal + i (causal).
+        if masked:
             for i, j in T.Parallel(block_M, block_N):
                 key = k * block_N + j
                 visible = key < seq_len_k
@@ -199,6 +200,51 @@ def flashattn_fwd_varlen(
         T.reduce_sum(acc_s, scores_sum, dim=1)
         for i in T.Parallel(block_M):
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def key_step(
+        k, masked, kv_count, seq_len_k, diagonal, Q_shared, K_shared, V_shared, acc_s, acc_s_cast,
+        acc_o, scores_max, scores_max_prev, scores_scale, scores_sum, logsum, k_full, v_full,
+        k_empty, v_empty,
+    ):  # fmt: skip
+        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back (asynchronous
+        # WGMMA), wait for S(k) only, and run its softmax while P(k-1) V(k-1) still occupies
+        # the tensor cores.
+        g = kv_count + k
+        stage = g % num_stages
+        prev = (g - 1) % num_stages
+        T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
+        turn_wait()
+        T.wgmma_gemm(
+            Q_shared,
+            K_shared[stage, :, :],
+            acc_s,
+            transpose_B=True,
+            clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a landed load's wait
+        # costs cycles, idle tensor cores if spent first.
+        T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
+        T.wgmma_gemm(
+            acc_s_cast,
+            V_shared[prev, :, :],
+            acc_o,
+            policy=T.GemmWarpPolicy.FullRow,
+        )
+        turn_pass()
+        T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
+        T.barrier_arrive(k_empty[stage])
+        online_softmax(
+            k, masked, seq_len_k, diagonal, acc_s, scores_max, scores_max_prev, scores_scale,
+            scores_sum, logsum,
+        )  # fmt: skip
+        T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
+        T.barrier_arrive(v_empty[prev])
+        # Rescale what was accumulated under the old row max.
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+        T.copy(acc_s, acc_s_cast)
 
     @T.macro
     def epilogue(acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, row0, seq_len_q, by):
@@ -359,50 +405,29 @@ def flashattn_fwd_varlen(
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         online_softmax(
-                            0, first_masked, seq_len_k, diagonal, acc_s, scores_max,
+                            0, first_masked <= 0, seq_len_k, diagonal, acc_s, scores_max,
                             scores_max_prev, scores_scale, scores_sum, logsum,
                         )  # fmt: skip
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-                        # Key block k: issue S(k) = Q K(k)ᵀ and O += P(k-1) V(k-1) back to back
-                        # (asynchronous WGMMA), wait for S(k) only, and run its softmax while
-                        # P(k-1) V(k-1) still occupies the tensor cores.
-                        for k in T.serial(1, n_blocks):
-                            g = kv_count + k
-                            stage = g % num_stages
-                            prev = (g - 1) % num_stages
-                            T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
-                            turn_wait()
-                            T.wgmma_gemm(
-                                Q_shared,
-                                K_shared[stage, :, :],
-                                acc_s,
-                                transpose_B=True,
-                                clear_accum=True,
-                                policy=T.GemmWarpPolicy.FullRow,
-                            )
-                            # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a
-                            # landed load's wait costs cycles, idle tensor cores if spent first.
-                            T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-                            T.wgmma_gemm(
-                                acc_s_cast,
-                                V_shared[prev, :, :],
-                                acc_o,
-                                policy=T.GemmWarpPolicy.FullRow,
-                            )
-                            turn_pass()
-                            T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
-                            T.barrier_arrive(k_empty[stage])
-                            online_softmax(
-                                k, first_masked, seq_len_k, diagonal, acc_s, scores_max,
-                                scores_max_prev, scores_scale, scores_sum, logsum,
-                            )  # fmt: skip
-                            T.wait_wgmma(0)  # acc_o and acc_s_cast are free again
-                            T.barrier_arrive(v_empty[prev])
-                            # Rescale what was accumulated under the old row max.
-                            for i, j in T.Parallel(block_M, dim):
-                                acc_o[i, j] *= scores_scale[i]
-                            T.copy(acc_s, acc_s_cast)
+                        # The other key blocks. Without causal only the ragged last block needs a
+                        # mask: the blocks before it run in a loop of their own, with no mask
+                        # test inside. Causal keeps one loop, each block testing k >= first_masked
+                        # (two loops measured slower there: a short sequence's tile has few
+                        # unmasked blocks to gain on).
+                        step_args = (
+                            kv_count, seq_len_k, diagonal, Q_shared, K_shared, V_shared, acc_s,
+                            acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+                            scores_sum, logsum, k_full, v_full, k_empty, v_empty,
+                        )  # fmt: skip
+                        if causal:
+                            for k in T.serial(1, n_blocks):
+                                key_step(k, k >= first_masked, *step_args)
+                        else:
+                            for k in T.serial(1, T.max(1, first_masked)):
+                                key_step(k, False, *step_args)
+                            for k in T.serial(T.max(1, first_masked), n_blocks):
+                                key_step(k, True, *step_args)
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 
