@@ -161,6 +161,19 @@ def flashattn_fwd_varlen(
             T.named_barrier_arrive(TURNS + (T.get_thread_binding() // 128 + 1) % 3, 256)
 
     @T.macro
+    def scores(Q_shared, K_stage, acc_s):
+        # S = Q Kᵀ of one key block, issued asynchronously (the caller waits).
+        T.wgmma_gemm(
+            Q_shared, K_stage, acc_s, transpose_B=True, clear_accum=True,
+            policy=T.GemmWarpPolicy.FullRow,
+        )  # fmt: skip
+
+    @T.macro
+    def pv(acc_s_cast, V_stage, acc_o):
+        # O += P V of one key block, issued asynchronously (the caller waits).
+        T.wgmma_gemm(acc_s_cast, V_stage, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
     def online_softmax(
         k, masked, seq_len_k, diagonal, acc_s, scores_max, scores_max_prev, scores_scale,
         scores_sum, logsum,
@@ -203,23 +216,11 @@ def flashattn_fwd_varlen(
         prev = (g - 1) % num_stages
         T.mbarrier_wait_parity(k_full[stage], (g // num_stages) & 1)
         turn_wait()
-        T.wgmma_gemm(
-            Q_shared,
-            K_shared[stage, :, :],
-            acc_s,
-            transpose_B=True,
-            clear_accum=True,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+        scores(Q_shared, K_shared[stage, :, :], acc_s)
         # V(k-1)'s wait comes after S(k)'s issue, under that GEMM: even a landed load's wait
         # costs cycles, idle tensor cores if spent first.
         T.mbarrier_wait_parity(v_full[prev], ((g - 1) // num_stages) & 1)
-        T.wgmma_gemm(
-            acc_s_cast,
-            V_shared[prev, :, :],
-            acc_o,
-            policy=T.GemmWarpPolicy.FullRow,
-        )
+        pv(acc_s_cast, V_shared[prev, :, :], acc_o)
         turn_pass()
         T.wait_wgmma(1)  # S(k) is ready; P(k-1) V(k-1) may still run
         T.barrier_arrive(k_empty[stage])
@@ -381,14 +382,7 @@ def flashattn_fwd_varlen(
                         stage = kv_count % num_stages
                         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
                         turn_wait()
-                        T.wgmma_gemm(
-                            Q_shared,
-                            K_shared[stage, :, :],
-                            acc_s,
-                            transpose_B=True,
-                            clear_accum=True,
-                            policy=T.GemmWarpPolicy.FullRow,
-                        )
+                        scores(Q_shared, K_shared[stage, :, :], acc_s)
                         turn_pass()
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
@@ -423,12 +417,7 @@ def flashattn_fwd_varlen(
                         stage = g % num_stages
                         T.mbarrier_wait_parity(v_full[stage], (g // num_stages) & 1)
                         turn_wait()
-                        T.wgmma_gemm(
-                            acc_s_cast,
-                            V_shared[stage, :, :],
-                            acc_o,
-                            policy=T.GemmWarpPolicy.FullRow,
-                        )
+                        pv(acc_s_cast, V_shared[stage, :, :], acc_o)
                         turn_pass()
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[stage])
