@@ -382,13 +382,17 @@ def flashattn_fwd(
     ):
         # acc_s holds S = Q Kᵀ of key block k: mask it (``masked``), fold it into the running
         # row max and row sum, and turn it into P = exp2(S·scale - max·scale).
-        if masked:
+        if causal:
+            if masked:
+                # A row below Sq sees keys up to its index + offset <= Sk - 1: the causal
+                # bound alone keeps every key past Sk out (rows past Sq are never stored).
+                for i, j in T.Parallel(block_M, block_N):
+                    visible = k * block_N + j <= m_blk * block_M + i + offset
+                    acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+        elif masked:
             kv_end = key_bound()
             for i, j in T.Parallel(block_M, block_N):
-                key = k * block_N + j
-                visible = key < kv_end
-                if causal:
-                    visible = visible and key <= m_blk * block_M + i + offset
+                visible = k * block_N + j < kv_end
                 acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
         T.copy(scores_max, scores_max_prev)
         T.reduce_max(acc_s, scores_max, dim=1, clear=False)

@@ -194,12 +194,17 @@ def flashattn_fwd_varlen(
         # tested at run time), fold it into the running row max and row sum, and turn it into
         # P = exp2(S·scale - max·scale). Keys past seq_len_k belong to the next sequence: they
         # never get in. Row i sees key j when j <= diagonal + i (causal).
-        if masked:
+        if causal:
+            if masked:
+                # A row of the sequence sees keys up to diagonal + i <= seq_len_k - 1: the
+                # causal bound alone keeps the next sequence's keys out (rows past seq_len_q
+                # are never stored).
+                for i, j in T.Parallel(block_M, block_N):
+                    visible = k * block_N + j <= diagonal + i
+                    acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
+        elif masked:
             for i, j in T.Parallel(block_M, block_N):
-                key = k * block_N + j
-                visible = key < seq_len_k
-                if causal:
-                    visible = visible and key <= diagonal + i
+                visible = k * block_N + j < seq_len_k
                 acc_s[i, j] = T.if_then_else(visible, acc_s[i, j], neg_inf)
         T.copy(scores_max, scores_max_prev)
         T.reduce_max(acc_s, scores_max, dim=1, clear=False)
