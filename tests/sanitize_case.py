@@ -131,15 +131,15 @@ for D in (64, 128) if "varlen" in FAMILIES else ():
     if D == 128:  # fewer tiles than SMs over long keys: walked in parts, then merged
         cu_q2, cu_k2 = (
             torch.tensor(c, dtype=torch.int32, device="cuda")
-            for c in ([0, 40, 340], [0, 2000, 3500])
+            for c in ([0, 40, 340], [0, 4000, 7000])
         )
         q2 = torch.randn(340, 4, D, generator=g, device="cuda", dtype=torch.bfloat16)
         k2, v2 = (
-            torch.randn(3500, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
+            torch.randn(7000, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
             for _ in range(2)
         )
         with torch.no_grad():
-            out = varlen.attention_varlen(q2, k2, v2, cu_q2, cu_k2, 300, 2000, causal=True)
+            out = varlen.attention_varlen(q2, k2, v2, cu_q2, cu_k2, 300, 4000, causal=True)
         torch.cuda.synchronize()
         print("varlen forward D128 in parts: finite", bool(torch.isfinite(out).all()))
 
