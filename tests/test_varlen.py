@@ -351,7 +351,7 @@ def test_tile_schedule(script, causal, case):
         last = {e[:3] for e in entries[(rounds - 1) * grid :] if e[2] >= 0}
         heaviest = sorted((costs[t] for t in last), reverse=True)
         free = sorted(before[: min(num_sms, len(costs))])
-        assert max(load) < max(f + c for f, c in zip(free, heaviest))
+        assert max(load) < max(f + c for f, c in zip(free, heaviest, strict=False))
 
 
 def _walk_schedule(mod, table, combine, q, k, v, cu_q, cu_k, causal, block_M, block_N):

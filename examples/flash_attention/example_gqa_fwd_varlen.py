@@ -28,9 +28,16 @@ current tile's last GEMM and epilogue. What packing changes:
   of one head together and the heads of one group one after another, so the thread blocks
   running side by side share their kv head's K and V in L2. The list is dealt in rounds, one
   tile per thread block: in each round the heaviest tile goes to the thread block with the
-  least work so far. The kernel takes the result as a tensor ``[rounds, grid, 3]``; producer and
+  least work so far. The kernel takes the result as a tensor ``[rounds, grid, 6]``; producer and
   consumers read the same entries, so they walk the same tiles and their mbarrier phases stay in
   step;
+- a last round of fewer tiles than SMs would leave SMs idle (most of them when the whole batch
+  has far fewer tiles than SMs: short queries over long keys, such as a prefill chunk against
+  its context). Its tiles are then walked in parts over their key blocks, one part a thread
+  block (``last_round_parts``), where the list's cost model says the round ends sooner by more
+  than the extra launch costs. Each part leaves its output, normalised by its own row sums,
+  and its lse in float32; ``flashattn_fwd_varlen_combine`` merges each row's parts by their
+  lse. It is the dense forward's split over the keys, decided tile by tile;
 - a tile reads its sequence's start and length from ``cu_seqlens`` and loads Q, K and V by TMA
   at that row offset into the packed tensors. A box that runs past the end of its sequence reads
   the next sequence's rows (or zeros past the tensor): keys past ``seq_len_k`` are masked to -inf
@@ -421,8 +428,8 @@ def flashattn_fwd_varlen(
                         # unmasked blocks to gain on). Block k is the (k - first)-th of the tile
                         # in the K/V stream.
                         step_args = (
-                            kv_count - first, seq_len_k, diagonal, Q_shared, K_shared, V_shared, acc_s,
-                            acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+                            kv_count - first, seq_len_k, diagonal, Q_shared, K_shared, V_shared,
+                            acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
                             scores_sum, logsum, k_full, v_full, k_empty, v_empty,
                         )  # fmt: skip
                         if causal:
