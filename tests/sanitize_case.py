@@ -7,7 +7,8 @@ key blocks no query reaches: narrow windows take its dQ pass, a wider one the fu
 its forward on a grid of several tiles a thread block) and packed sequences
 (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen forward and the packed backward,
 with a zero-length sequence, Sq ≠ Sk and partial blocks; at D = 64 also the forward without a
-mask, whose 192-row tiles take turns), the fast backward with its last wave's walks in parts
+mask, whose 192-row tiles take turns, and at D = 128 a causal forward whose tiles go in parts
+over long keys), the fast backward with its last wave's walks in parts
 over the queries (non-causal, ragged: tail_split_plan), and the dense forward
 with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
 two parts a tile, merged by the combine kernel), in causal pairs of an odd block count, or in
@@ -127,6 +128,20 @@ for D in (64, 128) if "varlen" in FAMILIES else ():
             out = varlen.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
         torch.cuda.synchronize()
         print("varlen forward D64 without a mask: finite", bool(torch.isfinite(out).all()))
+    if D == 128:  # fewer tiles than SMs over long keys: walked in parts, then merged
+        cu_q2, cu_k2 = (
+            torch.tensor(c, dtype=torch.int32, device="cuda")
+            for c in ([0, 40, 340], [0, 4000, 7000])
+        )
+        q2 = torch.randn(340, 4, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        k2, v2 = (
+            torch.randn(7000, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)
+        )
+        with torch.no_grad():
+            out = varlen.attention_varlen(q2, k2, v2, cu_q2, cu_k2, 300, 4000, causal=True)
+        torch.cuda.synchronize()
+        print("varlen forward D128 in parts: finite", bool(torch.isfinite(out).all()))
 
 dense = load_script("flash_attention/example_mha_fwd_bshd.py")
 for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's ring

@@ -271,46 +271,155 @@ SCHEDULES = [  # (lens_q, lens_k, heads, block_M, num_sms)
     ([17, 64, 1, 130], [17, 64, 1, 130], 3, 128, 132),
     ([0, 5, 0, 300, 17, 0], [0, 5, 0, 300, 17, 0], 4, 128, 8),  # empty sequences, first and last
     ([100, 1, 513, 64, 300], [300, 50, 17, 64, 0], 2, 192, 16),  # Sq != Sk both ways, no keys
-    ([4096], [4096], 1, 128, 132),  # fewer tiles than SMs: a smaller grid
+    ([4096], [4096], 1, 128, 132),  # fewer tiles than SMs, long keys: in parts
     (bench_varlen.random_lengths(), bench_varlen.random_lengths(), 32, 128, 132),
+    ([4096] * 4, [4096] * 4, 32, 128, 132),  # a last round of 4 tiles: in parts
+    ([64, 64], [4096, 4096], 4, 128, 132),  # short queries over long keys: in parts
+    ([300, 40], [5000, 700], 4, 128, 32),  # some tiles in parts, some whole
 ]
+PARTS = {3, 5, 6, 7}  # the cases whose last round goes in parts (causal too)
+PARTS_CAUSAL = {3, 6, 7}
+
+
+def _walks(table, combine, costs, num_sms, min_part):
+    """Check a tile list's shape and parts; returns every entry and each thread block's work."""
+    rounds, grid, six = table.shape
+    assert table.dtype == torch.int32 and six == 6 and 1 <= grid <= num_sms
+    entries = [tuple(e) for e in table.reshape(-1, 6).tolist()]
+    assert all(e == (-1,) * 6 for e in entries if e[2] < 0)
+    assert all(e[2] >= 0 for e in entries[: (rounds - 1) * grid])
+    whole = [e[:3] for e in entries if e[2] >= 0 and e[3] < 0]
+    assert all(e[4] == 0 and e[5] + 1 == costs[e[:3]] for e in entries if e[2] >= 0 and e[3] < 0)
+    # Parts: in the last round only; each split tile listed once in combine, its parts covering
+    # its key blocks once, in consecutive slots, each at least min_part blocks.
+    parts = [e for e in entries if e[3] >= 0]
+    assert all(i >= (rounds - 1) * grid for i, e in enumerate(entries) if e[3] >= 0)
+    split = [tuple(c) for c in combine.tolist()]
+    assert combine.dtype == torch.int32 and len({c[:3] for c in split}) == len(split)
+    slots = sorted(e[3] for e in parts)
+    assert slots == list(range(len(parts)))
+    for m, h, b, slot0, n in split:
+        mine = sorted((e[3], e[4], e[5]) for e in parts if e[:3] == (m, h, b))
+        assert [e[0] for e in mine] == list(range(slot0, slot0 + n)) and n >= 2
+        assert [e[1] for e in mine] == [0] + [e[2] for e in mine[:-1]]
+        assert mine[-1][2] + 1 == costs[(m, h, b)]
+        assert all(end - first >= min_part for _, first, end in mine)
+    assert len(whole) == len(set(whole))
+    assert set(whole) | {c[:3] for c in split} == set(costs)
+    assert not set(whole) & {c[:3] for c in split}
+    load = [0] * grid
+    for i, e in enumerate(entries):
+        if e[2] >= 0:
+            load[i % grid] += e[5] - e[4] + 1
+    return entries, load
 
 
 @pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", range(len(SCHEDULES)))
 def test_tile_schedule(script, causal, case):
-    """tile_schedule lists every (query block, head, sequence) tile exactly once, and nothing
-    for a sequence without queries; at most num_sms thread blocks, one tile each per round,
-    empty entries (-1) in the last round only; sequences start heaviest first; and no thread
-    block gets more than one tile's cost above another (the round-by-round deal)."""
+    """tile_schedule lists every (query block, head, sequence) tile exactly once, as a whole
+    tile or in parts (``_walks``), and nothing for a sequence without queries; at most num_sms
+    thread blocks, one entry each per round, empty entries (-1) in the last round only;
+    sequences start heaviest first; no thread block gets more than one tile's cost above
+    another (the round-by-round deal); and where the last round goes in parts, the busiest
+    thread block ends sooner than the same list dealt whole."""
     lens_q, lens_k, heads, block_M, num_sms = SCHEDULES[case]
+    mod = load_script(script)
     cu_q = [sum(lens_q[:b]) for b in range(len(lens_q) + 1)]
     cu_k = [sum(lens_k[:b]) for b in range(len(lens_k) + 1)]
-    table = load_script(script).tile_schedule(cu_q, cu_k, heads, block_M, 128, causal, num_sms)
+    table, combine = mod.tile_schedule(cu_q, cu_k, heads, block_M, 128, causal, num_sms)
     costs = _tile_costs(lens_q, lens_k, heads, block_M, 128, causal)
-
-    rounds, grid, three = table.shape
-    assert table.dtype == torch.int32 and three == 3
-    assert grid == min(num_sms, len(costs)) and rounds == -(-len(costs) // grid)
-    entries = [tuple(e) for e in table.reshape(-1, 3).tolist()]
-    tiles = [e for e in entries if e[2] >= 0]
-    assert len(tiles) == len(set(tiles)) and set(tiles) == set(costs)
-    assert all(e == (-1, -1, -1) for e in entries if e[2] < 0)
-    assert all(e[2] >= 0 for e in entries[: (rounds - 1) * grid])
+    entries, load = _walks(table, combine, costs, num_sms, mod.MIN_PART_BLOCKS)
+    grid = table.shape[1]
+    assert (len(combine) > 0) == (case in (PARTS_CAUSAL if causal else PARTS))
 
     first_round = {}  # the round in which each sequence's first tile runs
-    for i, (_, _, b) in enumerate(entries):
-        if b >= 0:
-            first_round.setdefault(b, i // grid)
+    for i, e in enumerate(entries):
+        if e[2] >= 0:
+            first_round.setdefault(e[2], i // grid)
     work = {b: sum(c for (_, _, s), c in costs.items() if s == b) for b in first_round}
     starts = [first_round[b] for b in sorted(first_round, key=lambda b: -work[b])]
     assert starts == sorted(starts)
-
-    load = [
-        sum(costs[tuple(e)] for e in table[:, cta].tolist() if e[2] >= 0) for cta in range(grid)
-    ]
     assert max(load) - min(load) <= max(costs.values())
+
+    if len(combine):  # the last round's tiles dealt whole instead would end later
+        rounds = table.shape[0]
+        before = [0] * grid  # each thread block's work before the last round
+        for i, e in enumerate(entries[: (rounds - 1) * grid]):
+            before[i % grid] += e[5] - e[4] + 1
+        last = {e[:3] for e in entries[(rounds - 1) * grid :] if e[2] >= 0}
+        heaviest = sorted((costs[t] for t in last), reverse=True)
+        free = sorted(before[: min(num_sms, len(costs))])
+        assert max(load) < max(f + c for f, c in zip(free, heaviest, strict=False))
+
+
+def _walk_schedule(mod, table, combine, q, k, v, cu_q, cu_k, causal, block_M, block_N):
+    """What the forward kernel computes from a tile list, in float64 with torch: each entry's
+    key blocks first … end - 1 under the kernel's masks; a whole tile's rows into out and lse,
+    a part's into its slot; then each split tile's parts merged as flashattn_fwd_varlen_combine
+    does. Entries past a sequence's rows are dropped, as the kernel never stores them."""
+    H, D = q.shape[1:]
+    groups = H // k.shape[1]
+    scale = 1 / math.sqrt(D)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((H, q.shape[0]), math.nan, dtype=torch.float64)
+    slot_o, slot_lse = {}, {}
+    for m, h, b, slot, first, end in table.reshape(-1, 6).tolist():
+        if b < 0:
+            continue
+        q0, lq, k0, lk = cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b]
+        rows = torch.arange(m * block_M, min(lq, (m + 1) * block_M))
+        keys = torch.arange(first * block_N, end * block_N)
+        visible = (keys[None, :] < lk).expand(len(rows), -1)
+        if causal:
+            visible = visible & (keys[None, :] <= rows[:, None] + lk - lq)
+        kk = keys.clamp(max=max(lk - 1, 0)) + k0
+        kh = k[kk, h // groups] if lk else torch.zeros(len(keys), D, dtype=q.dtype)
+        vh = v[kk, h // groups] if lk else torch.zeros(len(keys), D, dtype=q.dtype)
+        scores = (q[q0 + rows, h] @ kh.T * scale).masked_fill(~visible, -math.inf)
+        row_max = scores.max(dim=1, keepdim=True).values
+        row_max = row_max.masked_fill(row_max == -math.inf, 0)
+        p = torch.exp(scores - row_max)
+        row_sum = p.sum(dim=1)
+        o = torch.where(row_sum[:, None] > 0, p @ vh / row_sum[:, None], 0.0)
+        part_lse = torch.where(row_sum > 0, torch.log(row_sum) + row_max[:, 0], -math.inf)
+        if slot < 0:
+            out[q0 + rows, h] = o
+            lse[h, q0 + rows] = torch.where(row_sum > 0, part_lse, math.inf)
+        else:
+            slot_o[slot], slot_lse[slot] = o, part_lse
+    for m, h, b, slot0, n in combine.tolist():
+        q0, lq = cu_q[b], cu_q[b + 1] - cu_q[b]
+        rows = torch.arange(m * block_M, min(lq, (m + 1) * block_M))
+        lses = torch.stack([slot_lse[slot0 + i] for i in range(n)])
+        top = lses.max(dim=0).values
+        top = top.masked_fill(top == -math.inf, 0)
+        w = torch.exp(lses - top)
+        total = w.sum(dim=0)
+        o = sum(w[i][:, None] * slot_o[slot0 + i] for i in range(n))
+        out[q0 + rows, h] = torch.where(total[:, None] > 0, o / total[:, None], 0.0)
+        lse[h, q0 + rows] = torch.where(total > 0, top + torch.log(total), math.inf)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", [1, 2, 7])
+def test_tile_schedule_walk_matches_reference(case, causal):
+    """The tile list, walked as the kernel walks it (``_walk_schedule``: whole tiles and parts,
+    the parts merged), gives ref_program's out and lse on every row; so does the same list with
+    its parts forced by fewer SMs. Float64, small head dim."""
+    lens_q, lens_k, heads, block_M, num_sms = SCHEDULES[case]
+    mod = load_script(GQA_FWD)
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, heads, heads // 2, 16)
+    cu_q_list, cu_k_list = cu_q.tolist(), cu_k.tolist()
+    ref_out, ref_lse = mod.ref_program(q, k, v, cu_q, cu_k, max_q, max_k, causal, return_lse=True)
+    table, combine = mod.tile_schedule(cu_q_list, cu_k_list, heads, block_M, 128, causal, num_sms)
+    out, lse = _walk_schedule(
+        mod, table, combine, q, k, v, cu_q_list, cu_k_list, causal, block_M, 128
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
 
 # ----------------------------------------------------------------------------- CPU: builds
@@ -379,9 +488,11 @@ def test_persistent_forward_code(script):
     tile list's shape arrive as kernel arguments; the list's grid is the launch grid), written
     out as producer and consumer warpgroups (24 and 240 registers, S(k) issued before
     P(k-1) V(k-1) is waited for, and before V(k-1)'s load is). Each round reads its entry of
-    the tile list and skips an empty one before any load. Q/K/V come by TMA at per-sequence
-    offsets; the output leaves by TMA store only from blocks wholly inside their sequence (a box
-    would overwrite the next sequence's rows), by a guarded store otherwise."""
+    the tile list and skips an empty one before any load; a tile walks its entry's key blocks
+    first … end - 1. Q/K/V come by TMA at per-sequence offsets; a whole tile's output leaves by
+    TMA store only from blocks wholly inside their sequence (a box would overwrite the next
+    sequence's rows), by a guarded store otherwise; a part's (slot >= 0) goes to O_part and
+    lse_part."""
     src = sources(script, 128, True, "float16")["flashattn_fwd_varlen"]
     signature = src[: src.index("{")]
     for arg in (
@@ -390,6 +501,9 @@ def test_persistent_forward_code(script):
         "int rounds",
         "int grid",
         "const int* __restrict__ tiles",
+        "int slots",
+        "float* __restrict__ O_part",
+        "float* __restrict__ lse_part",
     ):
         assert arg in signature, arg
     assert "__launch_bounds__(384, 1)" in src  # two consumer warpgroups + the producer
@@ -397,7 +511,7 @@ def test_persistent_forward_code(script):
     assert_one_producer_warp(src, 256)
     assert src.count("wait_wgmma<1>") >= 1, "QKᵀ of block k overlaps PV of block k-1"
     # in the key loop, V(k-1)'s wait sits between S(k)'s issue and P(k-1) V(k-1)'s
-    loop = src[re.search(r"for \(int k\w* = 1; ", src).start() :]
+    loop = src[re.search(r"for \(int k\w* = \(first\w* \+ 1\); ", src).start() :]
     s_issue, v_wait = loop.index("tl::wgmma_ss<"), loop.index("v_full[")
     assert s_issue < v_wait < loop.index("tl::wgmma_rs<")
     for tensor in ("Q", "K", "V"):
@@ -410,6 +524,9 @@ def test_persistent_forward_code(script):
     store = re.search(r"if \(\(+.*\) <= seq_len_q\w*\) \{\n[^}]*tl::tma_store\(Output_desc", src)
     assert store, "the TMA store must sit under the whole-block test"
     assert re.search(r"\} else \{(?:(?!tma_store).)*?\*\(uint4\*\)\(Output \+", src, re.S)
+    # whole tiles (slot < 0) store out and lse; parts their float32 rows
+    whole, part = src.index("if (slot < 0) {"), src.index("(O_part + ")
+    assert whole < src.index("tl::tma_store(Output_desc") < part < src.index("lse_part[")
 
 
 FORWARD_BUILDS = [
@@ -706,6 +823,39 @@ def test_forward_many_tiles_a_thread_block(script, Hkv, causal, poisoned_empty):
     ref_out, ref_lse = mod.ref_program(q, k, v, *varlen, causal, return_lse=True)
     assert rel_err(lse, ref_lse) < 1e-4
     assert rel_err(out, ref_out) < 1e-2
+
+
+PART_CASES = [  # (lens_q, lens_k, H, Hkv, D, causal, dtype): fewer tiles than SMs, long keys
+    ([64, 64], [4096, 4096], 8, 2, 128, False, torch.bfloat16),
+    ([200, 333], [2000, 4000], 4, 4, 128, True, torch.float16),
+    ([17, 1, 300, 0], [5000, 3000, 0, 9], 4, 2, 64, True, torch.bfloat16),  # no keys, no queries
+    ([17, 1, 300, 0], [5000, 3000, 0, 9], 4, 4, 64, False, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", [MHA_FWD, GQA_FWD])
+@pytest.mark.parametrize("case", range(len(PART_CASES)))
+def test_forward_tiles_in_parts(script, case, poisoned_empty):
+    """Batches whose tiles go in parts over their keys on this GPU (asserted from the tile
+    list): out and lse against ref_program, with every buffer poisoned (the parts' outputs
+    included), rows that see no key exactly 0."""
+    from helpers import rel_err
+
+    lens_q, lens_k, H, Hkv, D, causal, dtype = PART_CASES[case]
+    mod = load_script(script)
+    Hkv = H if script == MHA_FWD else Hkv
+    q, k, v, _, *varlen = make_varlen(lens_q, lens_k, H, Hkv, D, dtype, "cuda")
+    cfg = mod.default_config(D, "sm_90a", causal)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cu_q, cu_k = varlen[0].tolist(), varlen[1].tolist()
+    _, combine = mod.tile_schedule(cu_q, cu_k, H, cfg["block_M"], cfg["block_N"], causal, num_sms)
+    assert len(combine) > 0
+    out, lse = mod.attention_varlen(q, k, v, *varlen, causal, return_lse=True)
+    ref_out, ref_lse = mod.ref_program(q, k, v, *varlen, causal, return_lse=True)
+    assert rel_err(lse, ref_lse) < 1e-4
+    assert rel_err(out, ref_out) < 1e-2
+    assert torch.all(out[ref_lse.isposinf().all(dim=0)] == 0)
 
 
 @pytest.mark.gpu

@@ -615,7 +615,11 @@ def compile_all(heads, heads_kv, dim, causal, dtype, arch, config=None):
     sources = {
         "flashattn_fwd_varlen": harness.compile_for(
             fwd.flashattn_fwd_varlen, arch, *attn, **fwd_cfg
-        ).get_kernel_source()
+        ).get_kernel_source(),
+        # the forward's merge of the tiles walked in parts, when a batch has them
+        "flashattn_fwd_varlen_combine": harness.compile_for(
+            fwd.flashattn_fwd_varlen_combine, arch, heads, dim, dtype, fwd_cfg["block_M"]
+        ).get_kernel_source(),
     }
     # The backward's kernels in their packed mode: no batch, no lengths (dynamic).
     backward = fast_bwd.backward_kernels(

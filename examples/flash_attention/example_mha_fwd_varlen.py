@@ -25,8 +25,15 @@ current tile's last GEMM and epilogue. What packing changes:
   blocks of one head together, so the thread blocks running side by side share that head's K
   and V in L2. The list is dealt in rounds, one tile per thread block: in each round the
   heaviest tile goes to the thread block with the least work so far. The kernel takes the
-  result as a tensor ``[rounds, grid, 3]``; producer and consumers read the same entries, so they
+  result as a tensor ``[rounds, grid, 6]``; producer and consumers read the same entries, so they
   walk the same tiles and their mbarrier phases stay in step;
+- a last round of fewer tiles than SMs would leave SMs idle (most of them when the whole batch
+  has far fewer tiles than SMs: short queries over long keys, such as a prefill chunk against
+  its context). Its tiles are then walked in parts over their key blocks, one part a thread
+  block (``last_round_parts``), where the list's cost model says the round ends sooner by more
+  than the extra launch costs. Each part leaves its output, normalised by its own row sums,
+  and its lse in float32; ``flashattn_fwd_varlen_combine`` merges each row's parts by their
+  lse. It is the dense forward's split over the keys, decided tile by tile;
 - a tile reads its sequence's start and length from ``cu_seqlens`` and loads Q, K and V by TMA
   at that row offset into the packed tensors. A box that runs past the end of its sequence reads
   the next sequence's rows (or zeros past the tensor): keys past ``seq_len_k`` are masked to -inf
@@ -38,8 +45,9 @@ current tile's last GEMM and epilogue. What packing changes:
   ``[H, total_q]``, as in FlashAttention's varlen API.
 
 The host side — the tile list, the tile configurations, the reads and checks of the
-``cu_seqlens`` values and ``main``'s padded test batch — is example_gqa_fwd_varlen.py's, imported
-from beside this file: with one kv head per query head it is the same code.
+``cu_seqlens`` values and ``main``'s padded test batch — and the combine kernel are
+example_gqa_fwd_varlen.py's, imported from beside this file: with one kv head per query head
+they are the same code.
 
 ``total_q``, ``total_k``, ``B`` and the shape of the tile list are TileLang dynamic dimensions
 (``T.dynamic``), so one compiled kernel serves every batch: only the head count, head dim, dtype,
@@ -102,6 +110,9 @@ import example_gqa_fwd_varlen as gqa  # noqa: E402  (the GQA varlen script, besi
 # configurations, the reads and checks of cu_seqlens' values, and main's padded test batch.
 tile_schedule = gqa.tile_schedule
 _device_tile_schedule = gqa._device_tile_schedule
+MIN_PART_BLOCKS = gqa.MIN_PART_BLOCKS
+flashattn_fwd_varlen_combine = gqa.flashattn_fwd_varlen_combine  # no head layout of its own
+run_parts = gqa.run_parts
 default_config = gqa.default_config
 tune_configs = gqa.tune_configs
 device_arch = gqa.device_arch
@@ -128,8 +139,11 @@ def flashattn_fwd_varlen(
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
     neg_inf = -T.infinity(accum_dtype)
     # Sizes that change from batch to batch are dynamic: no recompilation for a new batch. The
-    # tile list (tile_schedule) is [rounds, grid, 3], and its grid is the launch grid.
-    total_q, total_k, batch, rounds, grid = T.dynamic("total_q, total_k, batch, rounds, grid")
+    # tile list (tile_schedule) is [rounds, grid, 6], and its grid is the launch grid; the parts'
+    # outputs have ``slots`` rows of tiles.
+    total_q, total_k, batch, rounds, grid, slots = T.dynamic(
+        "total_q, total_k, batch, rounds, grid, slots"
+    )  # fmt: skip
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
     # A thread block is given the 64K-register file at launch, a thread's share rounded down to
     # a multiple of 8; setmaxnreg only moves registers among its warps (a request beyond that
@@ -137,17 +151,6 @@ def flashattn_fwd_varlen(
     # (multiples of 8, at most 240): 240 for two consumer warpgroups, 160 for three, 112 for four.
     regs = 65536 // (consumers + 128) // 8 * 8 * (consumers + 128)
     consumer_regs = min(240, (regs - 128 * PRODUCER_REGS) // consumers // 8 * 8)
-
-    def key_blocks(row0, seq_len_q, seq_len_k):
-        # Key blocks the query block starting at row row0 of its sequence visits. At least one,
-        # even when no row sees a key (a sequence without keys, or causal rows before the
-        # diagonal): the consumers then write O = 0 and lse = +inf as for any empty row, and
-        # producer and consumers count the same blocks either way.
-        n_blocks = T.ceildiv(seq_len_k, block_N)
-        if causal:
-            last_key = row0 + block_M + seq_len_k - seq_len_q  # one past the last key it sees
-            n_blocks = T.min(n_blocks, T.ceildiv(last_key, block_N))
-        return T.max(1, n_blocks)
 
     def first_masked_block(row0, seq_len_q, seq_len_k):
         # Only the ragged tail block (seq_len_k % block_N) and, when causal, the blocks crossing
@@ -275,6 +278,18 @@ def flashattn_fwd_varlen(
                     T.infinity(accum_dtype),
                 )
 
+    @T.macro
+    def part_epilogue(acc_o, logsum, scores_max, O_part, lse_part, slot):
+        # A part of a tile: its output normalised by its own row sums and its lse (log2 units),
+        # in float32, every row of the tile, for flashattn_fwd_varlen_combine. A row that sees
+        # none of the part's keys leaves O = 0 and lse = -inf: no weight in the merge.
+        for i, j in T.Parallel(block_M, dim):
+            O_part[slot, i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        for i in T.Parallel(block_M):
+            lse_part[slot, i] = T.if_then_else(
+                logsum[i] > 0, T.log2(logsum[i]) + scores_max[i] * scale, neg_inf
+            )
+
     @T.prim_func
     def flash_fwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
@@ -282,9 +297,11 @@ def flashattn_fwd_varlen(
         V: T.Tensor([total_k, heads, dim], dtype),
         cu_seqlens_q: T.Tensor([batch + 1], "int32"),
         cu_seqlens_k: T.Tensor([batch + 1], "int32"),
-        tiles: T.Tensor([rounds, grid, 3], "int32"),
+        tiles: T.Tensor([rounds, grid, 6], "int32"),
         Output: T.Tensor([total_q, heads, dim], dtype),
         lse: T.Tensor([heads, total_q], accum_dtype),
+        O_part: T.Tensor([slots, block_M, dim], accum_dtype),
+        lse_part: T.Tensor([slots, block_M], accum_dtype),
     ):
         with T.Kernel(grid, threads=consumers + 128) as cta:
             Q_shared = T.alloc_shared([block_M, dim], dtype)
@@ -317,7 +334,8 @@ def flashattn_fwd_varlen(
             kv_count = 0
             tile_count = 0
             # The current tile, read once into registers: its sequence bz, head by, first query
-            # row row0 within the sequence, and the sequence's packed offsets and lengths.
+            # row row0 within the sequence, the sequence's packed offsets and lengths, and the
+            # key blocks first … end - 1 it walks (all of them, or a part's) and the part's slot.
             bz = T.alloc_var("int32")
             by = T.alloc_var("int32")
             row0 = T.alloc_var("int32")
@@ -325,6 +343,9 @@ def flashattn_fwd_varlen(
             k_offset = T.alloc_var("int32")  # and of its keys
             seq_len_q = T.alloc_var("int32")
             seq_len_k = T.alloc_var("int32")
+            first = T.alloc_var("int32")
+            end = T.alloc_var("int32")
+            slot = T.alloc_var("int32")  # -1: a whole tile
             tx = T.get_thread_binding()
 
             if tx >= consumers:
@@ -342,7 +363,9 @@ def flashattn_fwd_varlen(
                             k_offset = cu_seqlens_k[bz]
                             seq_len_q = cu_seqlens_q[bz + 1] - q_offset
                             seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-                            n_blocks = key_blocks(row0, seq_len_q, seq_len_k)
+                            first = tiles[it, cta, 4]
+                            end = tiles[it, cta, 5]
+                            n_blocks = end - first
                             # A fresh mbarrier counts as having completed the phase before phase 0,
                             # so the first wait on an "empty" barrier (parity 1) passes at once.
                             T.mbarrier_wait_parity(q_empty, (tile_count & 1) ^ 1)
@@ -356,7 +379,7 @@ def flashattn_fwd_varlen(
                                 g = kv_count + k
                                 stage = g % num_stages
                                 phase = (g // num_stages) & 1
-                                kv0 = k_offset + k * block_N  # packed row of the block's first key
+                                kv0 = k_offset + (first + k) * block_N  # its first key's row
                                 T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
                                 T.tma_copy(
                                     K[kv0 : kv0 + block_N, by, :],
@@ -387,15 +410,18 @@ def flashattn_fwd_varlen(
                         k_offset = cu_seqlens_k[bz]
                         seq_len_q = cu_seqlens_q[bz + 1] - q_offset
                         seq_len_k = cu_seqlens_k[bz + 1] - k_offset
+                        slot = tiles[it, cta, 3]
+                        first = tiles[it, cta, 4]
+                        end = tiles[it, cta, 5]
                         diagonal = row0 + seq_len_k - seq_len_q  # bottom-right, per sequence
-                        n_blocks = key_blocks(row0, seq_len_q, seq_len_k)
+                        n_blocks = end - first
                         first_masked = first_masked_block(row0, seq_len_q, seq_len_k)
                         T.fill(acc_o, 0)
                         T.fill(logsum, 0)
                         T.fill(scores_max, neg_inf)
                         T.mbarrier_wait_parity(q_full, tile_count & 1)
 
-                        # Key block 0: S = Q Kᵀ, its softmax; P(0) waits in registers.
+                        # Key block ``first``: S = Q Kᵀ, its softmax; P waits in registers.
                         stage = kv_count % num_stages
                         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
                         turn_wait()
@@ -404,7 +430,7 @@ def flashattn_fwd_varlen(
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         online_softmax(
-                            0, first_masked <= 0, seq_len_k, diagonal, acc_s, scores_max,
+                            first, first_masked <= first, seq_len_k, diagonal, acc_s, scores_max,
                             scores_max_prev, scores_scale, scores_sum, logsum,
                         )  # fmt: skip
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
@@ -413,19 +439,22 @@ def flashattn_fwd_varlen(
                         # mask: the blocks before it run in a loop of their own, with no mask
                         # test inside. Causal keeps one loop, each block testing k >= first_masked
                         # (two loops measured slower there: a short sequence's tile has few
-                        # unmasked blocks to gain on).
+                        # unmasked blocks to gain on). Block k is the (k - first)-th of the tile
+                        # in the K/V stream.
                         step_args = (
-                            kv_count, seq_len_k, diagonal, Q_shared, K_shared, V_shared, acc_s,
-                            acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
+                            kv_count - first, seq_len_k, diagonal, Q_shared, K_shared, V_shared,
+                            acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
                             scores_sum, logsum, k_full, v_full, k_empty, v_empty,
                         )  # fmt: skip
                         if causal:
-                            for k in T.serial(1, n_blocks):
+                            for k in T.serial(first + 1, end):
                                 key_step(k, k >= first_masked, *step_args)
                         else:
-                            for k in T.serial(1, T.max(1, first_masked)):
+                            # (a part may end before the first masked block)
+                            unmasked_end = T.max(first + 1, T.min(first_masked, end))
+                            for k in T.serial(first + 1, unmasked_end):
                                 key_step(k, False, *step_args)
-                            for k in T.serial(T.max(1, first_masked), n_blocks):
+                            for k in T.serial(unmasked_end, end):
                                 key_step(k, True, *step_args)
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
@@ -439,10 +468,13 @@ def flashattn_fwd_varlen(
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[stage])
 
-                        epilogue(
-                            acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, row0,
-                            seq_len_q, by,
-                        )  # fmt: skip
+                        if slot < 0:
+                            epilogue(
+                                acc_o, logsum, scores_max, O_shared, Output, lse, q_offset, row0,
+                                seq_len_q, by,
+                            )  # fmt: skip
+                        else:
+                            part_epilogue(acc_o, logsum, scores_max, O_part, lse_part, slot)
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
 
@@ -517,11 +549,11 @@ def attention_forward(
         lse.fill_(math.inf)
     elif q.shape[0] > 0:
         kernel = flashattn_fwd_varlen(H, D, bool(causal), float(softmax_scale), dtype, **cfg)
-        tiles = _device_tile_schedule(
+        schedule = _device_tile_schedule(
             tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H,
             cfg["block_M"], cfg["block_N"], bool(causal), q.device,
         )  # fmt: skip
-        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, out, lse)
+        run_parts(kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"])
     return out, lse
 
 
@@ -724,6 +756,10 @@ def main(argv=None):
         )
         print(f"{script}: built for {args.arch} with {cfg} (batch sizes and tile list dynamic)")
         print(harness.describe_source("flashattn_fwd_varlen", kernel.get_kernel_source()))
+        merge = harness.compile_for(
+            flashattn_fwd_varlen_combine, args.arch, H, D, args.dtype, cfg["block_M"]
+        )  # fmt: skip
+        print(harness.describe_source("flashattn_fwd_varlen_combine", merge.get_kernel_source()))
         return
 
     harness.require_gpu(script, capability=(9, 0))
