@@ -543,8 +543,9 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     parts)`` for ``flashattn_fwd_varlen_combine``, which merges each such tile's parts.
 
     Every (sequence, head, query block) of a sequence with queries is one tile; a sequence
-    without queries has none. A tile's cost is the key blocks it visits (the kernel's
-    ``key_blocks``) plus one for loading Q and storing O. Sequences go heaviest first (their
+    without queries has none. A tile visits the key blocks up to its last visible key (the
+    causal diagonal, or the sequence's end), at least one, and costs them plus one for loading
+    Q and storing O; the kernel walks what the list says. Sequences go heaviest first (their
     total cost); within a sequence, head by head (the heads of a group one after another), the
     query blocks of a head last to first (the heaviest first when causal), so the tiles of a
     round mostly share a few kv heads' K and V in L2. The list is dealt in rounds of ``grid``
@@ -610,8 +611,8 @@ def last_round_parts(entries, load, num_sms):
     """The last round's tiles walked in parts over their key blocks, where that ends sooner:
     ``(part entries, combine)`` as ``tile_schedule`` lists them, or None.
 
-    A last round of fewer tiles than SMs leaves SMs idle while its tiles run (all of them, when
-    there are fewer tiles than SMs). Instead, each tile is split into parts of at least
+    A last round of fewer tiles than SMs leaves SMs idle while its tiles run (for the whole
+    launch, when the batch has fewer tiles than SMs). Instead, each tile is split into parts of at least
     MIN_PART_BLOCKS key blocks, one a thread block, as many as the SMs take: the tile whose
     parts are longest takes one more part, while SMs remain. A part costs its key blocks plus
     one, as a tile does; the parts are dealt heaviest first to the thread blocks with the least
