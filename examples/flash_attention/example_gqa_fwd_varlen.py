@@ -612,9 +612,9 @@ def last_round_parts(entries, load, num_sms):
     ``(part entries, combine)`` as ``tile_schedule`` lists them, or None.
 
     A last round of fewer tiles than SMs leaves SMs idle while its tiles run (for the whole
-    launch, when the batch has fewer tiles than SMs). Instead, each tile is split into parts of at least
-    MIN_PART_BLOCKS key blocks, one a thread block, as many as the SMs take: the tile whose
-    parts are longest takes one more part, while SMs remain. A part costs its key blocks plus
+    launch, when the batch has fewer tiles than SMs). Instead, each tile is split into parts of
+    at least MIN_PART_BLOCKS key blocks, one a thread block, as many as the SMs take: the tile
+    whose parts are longest takes one more part, while SMs remain. A part costs its key blocks plus
     one, as a tile does; the parts are dealt heaviest first to the thread blocks with the least
     work. Kept only if the busiest thread block then ends at least COMBINE_BLOCKS key blocks
     sooner than with the whole tiles: the combine kernel's launch costs about that much.
