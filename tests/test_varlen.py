@@ -276,6 +276,7 @@ SCHEDULES = [  # (lens_q, lens_k, heads, block_M, num_sms)
     ([4096] * 4, [4096] * 4, 32, 128, 132),  # a last round of 4 tiles: in parts
     ([64, 64], [4096, 4096], 4, 128, 132),  # short queries over long keys: in parts
     ([300, 40], [5000, 700], 4, 128, 32),  # some tiles in parts, some whole
+    ([1000], [1000], 8, 128, 132),  # parts would save 4 key blocks: fewer than COMBINE_BLOCKS
 ]
 PARTS = {3, 5, 6, 7}  # the cases whose last round goes in parts (causal too)
 PARTS_CAUSAL = {3, 6, 7}
