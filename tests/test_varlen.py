@@ -331,9 +331,13 @@ def test_tile_schedule(script, causal, case):
     cu_k = [sum(lens_k[:b]) for b in range(len(lens_k) + 1)]
     table, combine = mod.tile_schedule(cu_q, cu_k, heads, block_M, 128, causal, num_sms)
     costs = _tile_costs(lens_q, lens_k, heads, block_M, 128, causal)
-    entries, load = _walks(table, combine, costs, num_sms, mod.MIN_PART_BLOCKS)
-    grid = table.shape[1]
+    owner = load_script(GQA_FWD)  # the tile list's code, which the MHA script imports
+    entries, load = _walks(table, combine, costs, num_sms, owner.MIN_PART_BLOCKS)
+    rounds, grid = table.shape[:2]
     assert (len(combine) > 0) == (case in (PARTS_CAUSAL if causal else PARTS))
+    whole_grid = min(num_sms, len(costs))  # parts take every SM
+    assert grid == (num_sms if len(combine) else whole_grid)
+    assert rounds == -(-len(costs) // whole_grid)
 
     first_round = {}  # the round in which each sequence's first tile runs
     for i, e in enumerate(entries):
@@ -344,18 +348,18 @@ def test_tile_schedule(script, causal, case):
     assert starts == sorted(starts)
     assert max(load) - min(load) <= max(costs.values())
 
-    if len(combine):  # the last round's tiles dealt whole instead would end later
-        rounds = table.shape[0]
+    if len(combine):  # dealt whole, the last round would end COMBINE_BLOCKS or more later
         before = [0] * grid  # each thread block's work before the last round
         for i, e in enumerate(entries[: (rounds - 1) * grid]):
             before[i % grid] += e[5] - e[4] + 1
         last = {e[:3] for e in entries[(rounds - 1) * grid :] if e[2] >= 0}
         heaviest = sorted((costs[t] for t in last), reverse=True)
-        free = sorted(before[: min(num_sms, len(costs))])
-        assert max(load) < max(f + c for f, c in zip(free, heaviest, strict=False))
+        free = sorted(before[:whole_grid])
+        whole_end = max(f + c for f, c in zip(free, heaviest, strict=False))
+        assert max(load) <= whole_end - owner.COMBINE_BLOCKS
 
 
-def _walk_schedule(mod, table, combine, q, k, v, cu_q, cu_k, causal, block_M, block_N):
+def _walk_schedule(table, combine, q, k, v, cu_q, cu_k, causal, block_M, block_N):
     """What the forward kernel computes from a tile list, in float64 with torch: each entry's
     key blocks first … end - 1 under the kernel's masks; a whole tile's rows into out and lse,
     a part's into its slot; then each split tile's parts merged as flashattn_fwd_varlen_combine
@@ -408,16 +412,18 @@ def _walk_schedule(mod, table, combine, q, k, v, cu_q, cu_k, causal, block_M, bl
 @pytest.mark.parametrize("case", [1, 2, 7])
 def test_tile_schedule_walk_matches_reference(case, causal):
     """The tile list, walked as the kernel walks it (``_walk_schedule``: whole tiles and parts,
-    the parts merged), gives ref_program's out and lse on every row; so does the same list with
-    its parts forced by fewer SMs. Float64, small head dim."""
+    the parts merged), gives ref_program's out and lse on every row: whole tiles only with empty
+    sequences and Sq != Sk both ways (cases 1 and 2), parts beside whole tiles (case 7, on 32
+    SMs). Float64, small head dim."""
     lens_q, lens_k, heads, block_M, num_sms = SCHEDULES[case]
     mod = load_script(GQA_FWD)
     q, k, v, _, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, heads, heads // 2, 16)
     cu_q_list, cu_k_list = cu_q.tolist(), cu_k.tolist()
     ref_out, ref_lse = mod.ref_program(q, k, v, cu_q, cu_k, max_q, max_k, causal, return_lse=True)
     table, combine = mod.tile_schedule(cu_q_list, cu_k_list, heads, block_M, 128, causal, num_sms)
+    assert (len(combine) > 0) == (case == 7)
     out, lse = _walk_schedule(
-        mod, table, combine, q, k, v, cu_q_list, cu_k_list, causal, block_M, 128
+        table, combine, q, k, v, cu_q_list, cu_k_list, causal, block_M, 128
     )  # fmt: skip
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)

@@ -573,8 +573,8 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     rank = torch.empty_like(sequence_cost)
     rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
     order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
-    none = torch.zeros(len(order), dtype=torch.int64)
-    entries = torch.stack([m_blk, head, seq, none - 1, none, n_blocks], dim=1)[order]
+    whole_tile, first = torch.full_like(m_blk, -1), torch.zeros_like(m_blk)  # slot, first block
+    entries = torch.stack([m_blk, head, seq, whole_tile, first, n_blocks], dim=1)[order]
     cost = cost[order]
 
     grid = max(1, min(num_sms, len(order)))
@@ -614,9 +614,9 @@ def last_round_parts(entries, load, num_sms):
     A last round of fewer tiles than SMs leaves SMs idle while its tiles run (for the whole
     launch, when the batch has fewer tiles than SMs). Instead, each tile is split into parts of
     at least MIN_PART_BLOCKS key blocks, one a thread block, as many as the SMs take: the tile
-    whose parts are longest takes one more part, while SMs remain. A part costs its key blocks plus
-    one, as a tile does; the parts are dealt heaviest first to the thread blocks with the least
-    work. Kept only if the busiest thread block then ends at least COMBINE_BLOCKS key blocks
+    whose parts are longest takes one more part, while SMs remain. A part costs its key blocks
+    plus one, as a tile does; the parts are dealt heaviest first to the thread blocks with the
+    least work. Kept only if the busiest thread block then ends at least COMBINE_BLOCKS key blocks
     sooner than with the whole tiles: the combine kernel's launch costs about that much.
 
     Measured on an H200 (2026-11-29, bf16 D128, one process, eleven rounds, against whole
@@ -635,9 +635,10 @@ def last_round_parts(entries, load, num_sms):
         splits[int(longest.argmax())] += 1
     if int(splits.max()) == 1:
         return None
-    loads = torch.zeros(num_sms, dtype=torch.int64)
-    loads[: len(load)] = load
+    # Whole tiles go to the ``len(load)`` thread blocks of the rounds before; parts to every SM.
     whole = torch.sort(load).values[: len(blocks)] + torch.sort(blocks + 1, descending=True).values
+    every_sm = torch.zeros(num_sms, dtype=torch.int64)
+    every_sm[: len(load)] = load
     part_entries, combine, slot = [], [], 0
     for (m_blk, head, seq, _, _, n), p in zip(entries.tolist(), splits.tolist(), strict=True):
         if p == 1:
@@ -649,7 +650,7 @@ def last_round_parts(entries, load, num_sms):
         slot += p
     part_entries = torch.tensor(part_entries, dtype=torch.int64)
     part_cost = torch.sort(part_entries[:, 5] - part_entries[:, 4] + 1, descending=True).values
-    split = torch.sort(loads).values[: len(part_cost)] + part_cost
+    split = torch.sort(every_sm).values[: len(part_cost)] + part_cost
     if int(split.max()) > int(whole.max()) - COMBINE_BLOCKS:
         return None
     return part_entries, torch.tensor(combine, dtype=torch.int32)
@@ -835,11 +836,13 @@ def attention_forward(
             tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H,
             cfg["block_M"], cfg["block_N"], bool(causal), q.device,
         )  # fmt: skip
-        run_parts(kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"])
+        launch_forward(
+            kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"]
+        )
     return out, lse
 
 
-def run_parts(kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, block_M):
+def launch_forward(kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, block_M):
     """Launch the forward ``kernel`` on ``schedule`` (``_device_tile_schedule``'s), and where
     tiles went in parts, the combine kernel after it; without parts the kernel gets one-slot
     stand-ins for the parts' outputs, which it never touches."""

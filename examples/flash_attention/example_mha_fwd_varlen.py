@@ -110,9 +110,8 @@ import example_gqa_fwd_varlen as gqa  # noqa: E402  (the GQA varlen script, besi
 # configurations, the reads and checks of cu_seqlens' values, and main's padded test batch.
 tile_schedule = gqa.tile_schedule
 _device_tile_schedule = gqa._device_tile_schedule
-MIN_PART_BLOCKS = gqa.MIN_PART_BLOCKS
 flashattn_fwd_varlen_combine = gqa.flashattn_fwd_varlen_combine  # no head layout of its own
-run_parts = gqa.run_parts
+launch_forward = gqa.launch_forward
 default_config = gqa.default_config
 tune_configs = gqa.tune_configs
 device_arch = gqa.device_arch
@@ -553,7 +552,9 @@ def attention_forward(
             tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H,
             cfg["block_M"], cfg["block_N"], bool(causal), q.device,
         )  # fmt: skip
-        run_parts(kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"])
+        launch_forward(
+            kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"]
+        )
     return out, lse
 
 
