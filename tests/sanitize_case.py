@@ -11,9 +11,9 @@ mask, whose 192-row tiles take turns, and at D = 128 a causal forward whose tile
 over long keys), the fast backward with its last wave's walks in parts
 over the queries (non-causal, ragged: tail_split_plan), and the dense forward
 with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
-two parts a tile, merged by the combine kernel), in causal pairs of an odd block count, or in
-clusters of two thread blocks sharing K/V by TMA multicast (D = 128 without causal), or from a
-tile counter (causal D = 128, 165 tiles of 33 heads) — for
+parts of each tile's own key blocks, merged by the combine kernel), in causal pairs of an odd
+block count, or in clusters of two thread blocks sharing K/V by TMA multicast (D = 128
+without causal), or from a tile counter (causal D = 128, 165 tiles of 33 heads) — for
 compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
@@ -146,12 +146,13 @@ for D in (64, 128) if "varlen" in FAMILIES else ():
 dense = load_script("flash_attention/example_mha_fwd_bshd.py")
 for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's ring
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, S, 4, D, generator=g, device="cuda") for S in (17, 1100, 1100))
+    q, k, v = (torch.randn(1, S, 4, D, generator=g, device="cuda") for S in (17, 4100, 4100))
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    out = dense.attention(q, k, v)  # 4 tiles, 9 key blocks: two parts a tile
-    # causal, 18 tiles in two parts of their own key blocks (the first tiles' second parts
-    # have none)
-    q2, k2, v2 = (torch.randn(1, 1100, 2, D, generator=g, device="cuda") for _ in range(3))
+    out = dense.attention(q, k, v)  # 4 tiles, 33 key blocks (65 at D=256): 8 or 16 parts a tile
+    # causal, 18 tiles (12 at D=64) in parts of their own key blocks (the first tiles' last
+    # parts have none)
+    q2 = torch.randn(1, 1100, 2, D, generator=g, device="cuda")
+    k2, v2 = (torch.randn(1, 4100, 2, D, generator=g, device="cuda") for _ in range(2))
     out2 = dense.attention(*(t.to(torch.bfloat16) for t in (q2, k2, v2)), causal=True)
     # causal pairs with 5 query blocks a head (640 rows): two heads' middle blocks pair up, and
     # with 33 heads a last head is left alone (tile_of); 165 tiles, more than the SMs. At D=128
@@ -170,9 +171,10 @@ for D in (64, 128, 256) if "fwd" in FAMILIES else ():  # D=256: O staged in V's 
         q7, k7, v7 = (torch.randn(1, 1000, heads, D, generator=g, device="cuda") for _ in range(3))
         outs.append(dense.attention(*(t.to(torch.bfloat16) for t in (q7, k7, v7)), causal=True))
     if D == 128:
-        # ragged keys in whole tiles then parts (144 tiles: Sk reaches the mask by a shuffle),
-        # and 160 keys a block (no causal, Sk >= 8192), 4 tiles in parts
-        q4, k4, v4 = (torch.randn(1, 1000, 18, D, generator=g, device="cuda") for _ in range(3))
+        # ragged keys in whole tiles then parts (144 tiles over 17 key blocks: Sk reaches the
+        # mask by a shuffle), and 160 keys a block (no causal, Sk >= 8192), 4 tiles in parts
+        q4 = torch.randn(1, 1000, 18, D, generator=g, device="cuda")
+        k4, v4 = (torch.randn(1, 2100, 18, D, generator=g, device="cuda") for _ in range(2))
         outs.append(dense.attention(*(t.to(torch.bfloat16) for t in (q4, k4, v4))))
         q5 = torch.randn(1, 17, 4, D, generator=g, device="cuda").to(torch.bfloat16)
         k5, v5 = (torch.randn(1, 8200, 4, D, generator=g, device="cuda") for _ in range(2))

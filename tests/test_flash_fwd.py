@@ -206,17 +206,19 @@ def test_persistent_grid(script):
     heads = (8, 2) if script == GQA else (8,)
     cfg = dict(block_M=128, block_N=128, num_stages=2)
 
-    def grid(B, S, causal, num_sms):
+    def grid(B, S, causal, num_sms, Sk=None):
         tir = mod.flashattn_fwd.get_tir(
-            B, *heads, S, S, 128, causal, 0.125, "float16", **cfg, num_sms=num_sms
+            B, *heads, S, Sk or S, 128, causal, 0.125, "float16", **cfg, num_sms=num_sms
         )
         return _grid_size(tir)
 
     assert grid(4, 4096, False, 132) == 132  # 1024 tiles
     assert grid(4, 4096, True, 114) == 114  # 1024 tiles from the counter; an H100 PCIe: 114 SMs
-    # 8 heads x 8 query blocks: without causal each tile in two parts over its 8 key blocks
-    assert grid(1, 1000, False, 132) == 8 * 8 * 2
-    assert grid(1, 1000, True, 132) == 8 * 8 * 2  # fewer tiles than SMs: no pairs, parts
+    # 8 heads x 4 query blocks over 32 key blocks: each tile in four parts, causal too (fewer
+    # tiles than SMs: no pairs); over 8 key blocks the walk is too short for parts
+    assert grid(1, 512, False, 132, 4096) == 8 * 4 * 4
+    assert grid(1, 512, True, 132, 4096) == 8 * 4 * 4
+    assert grid(1, 1000, False, 132) == 8 * 8
     # 192 tiles: not 96 pairs but all 132 SMs taking tiles from the counter (counter_section)
     assert grid(3, 1000, True, 132) == 132
 
@@ -291,7 +293,11 @@ def test_kv_split_plan(script):
     assert plan(1024, 132, 32, False) == (1024, 0, 1)  # 100 tiles in the last round: no room
     assert plan(4096, 132, 7, False) == (4096, 0, 1)  # parts would have fewer than 4 blocks
     assert plan(4, 132, 32, False) == (0, 4, 8)  # fewer tiles than SMs: every tile in parts
-    assert plan(32, 132, 8, False) == (0, 32, 2)
+    assert plan(32, 132, 32, False) == (0, 32, 4)
+    # walks shorter than MIN_SPLIT_WALK: the call would be host-bound, parts would slow it
+    assert plan(32, 132, 8, False) == (32, 0, 1)
+    assert plan(136, 132, 8, False) == (136, 0, 1)  # two rounds of 8 key blocks
+    assert plan(136, 132, 16, False) == (132, 4, 4)  # two rounds of 16
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -551,17 +557,17 @@ def test_odd_count_builds(script):
     """Causal grids of an odd block count build for sm_90a without spills: at D=256 in pairs of
     two heads (B1 H99 S640: 5 blocks a head, a last head alone: heads_together says so, and the
     program holds tile_of's two-head order, the only one with a lone last head) and, with fewer
-    tiles than SMs, in parts with the plain order (D=128 B1 H2 S1100: 9 blocks a head; two heads
-    together there failed to build in TileLang 0.1.15)."""
+    tiles than SMs, in parts with the plain order (D=128 B1 H2 Sq1100 Sk4100: 9 blocks a head
+    over 33 key blocks; two heads together there failed to build in TileLang 0.1.15)."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
 
     mod = load_script(script)
-    for dim, heads, seq in ((256, 99, 640), (128, 2, 1100)):
+    for dim, heads, seq, seq_k in ((256, 99, 640, 640), (128, 2, 1100, 4100)):
         heads = (heads, 1 if heads % 2 else heads // 2) if script == GQA else (heads,)
-        cfg = mod.default_config(dim, True, "sm_90a", seq)
-        args = (1, *heads, seq, seq, dim, True, dim**-0.5, "bfloat16")
+        cfg = mod.default_config(dim, True, "sm_90a", seq_k)
+        args = (1, *heads, seq, seq_k, dim, True, dim**-0.5, "bfloat16")
         kernel = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg)
         src = kernel.get_kernel_source()
         report = ptxas_report(src)
@@ -694,15 +700,15 @@ def _gpu_cases():
     # long context; Sq > Sk, whose first rows see no key; parts without key blocks).
     cases += [
         (BSHD, 1, 500, 9000, 4, 4, 128, True, bf16, 1),
-        (BSHD, 1, 3000, 1200, 2, 2, 64, True, f16, 1),
-        (BSHD, 1, 2000, 2000, 2, 2, 128, True, f16, 10),
+        (BSHD, 1, 4200, 4100, 1, 1, 64, True, f16, 1),
+        (BSHD, 1, 1100, 4100, 2, 2, 128, True, f16, 10),
         (GQA, 1, 300, 5000, 8, 2, 128, True, bf16, 1),
         (BSHD, 3, 1000, 1000, 45, 45, 128, False, bf16, 1),
         (BSHD, 2, 1000, 4000, 5, 5, 64, False, f16, 1),
         (BSHD, 1, 300, 5000, 3, 3, 256, False, bf16, 1),
         (BSHD, 1, 17, 4100, 4, 4, 128, False, f16, 10),
-        (BHSD, 1, 200, 3000, 4, 4, 128, False, bf16, 1),
-        (GQA, 1, 100, 3000, 8, 2, 128, False, f16, 1),
+        (BHSD, 1, 200, 4100, 4, 4, 128, False, bf16, 1),
+        (GQA, 1, 100, 4100, 8, 2, 128, False, f16, 1),
     ]
     # Persistent schedule: many tiles per thread block; an odd number of query blocks a head,
     # causal (from the counter at D=64 and D=128; at D=256 in pairs, where two heads' middle
@@ -747,8 +753,8 @@ def _gpu_cases():
         (GQA, 1, 3000, 3000, 28, 4, 64, True, bf16, 1),
         # ragged keys without causal, whole tiles then parts: the mask reads Sk through a
         # shuffle (as in BSHD B3 H45 S1000 above)
-        (BHSD, 1, 1000, 1000, 35, 35, 128, False, f16, 1),
-        (GQA, 1, 1000, 1000, 36, 9, 128, False, bf16, 10),
+        (BHSD, 1, 1000, 2100, 35, 35, 128, False, f16, 1),
+        (GQA, 1, 1000, 2100, 36, 9, 128, False, bf16, 10),
         # without causal, Sk >= 8192 takes 160 keys a block at D=128 (a ragged last block too)
         (BSHD, 1, 1000, 8200, 4, 4, 128, False, f16, 1),
         (BHSD, 1, 700, 8192, 4, 4, 128, False, bf16, 10),

@@ -105,6 +105,7 @@ TURNS = 9  # named barriers 9, 10, 11: the consumer warpgroups' turns at the ten
 
 # ----------------------------------------------------------------------------- kernel
 MIN_PART_BLOCKS = 4  # key blocks a part walks at least (its Q load and epilogue are fixed costs)
+MIN_SPLIT_WALK = 32  # key blocks the busiest thread block walks whole, at least, to take parts
 PAIR_GAIN = 1.075  # heads_together: the busiest thread block's gain that pays for two heads
 CROSS_TILE_BLOCKS = 16  # key blocks a tile has at most for Q's two slots (flashattn_fwd)
 COUNTER_GAIN = 1.05  # counter_section at D=256: the modelled gain over the pair deal that pays
@@ -121,7 +122,14 @@ def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
     thread block, as many as the SMs take. The first ``whole_tiles`` tiles are walked whole.
     Causal tiles differ in cost: with more tiles than SMs they are paired instead (see
     flashattn_fwd); with fewer, each is split the same way over its own key blocks.
-    ``kv_splits`` 1: no split.
+    ``kv_splits`` 1: no split, also when the busiest thread block would walk fewer than
+    MIN_SPLIT_WALK key blocks without parts.
+
+    MIN_SPLIT_WALK, measured on an H200 (2026-11-29, bf16, one process): parts always shorten
+    the GPU's time, but their buffers and second launch add about 25 µs of host time a call.
+    A walk shorter than 32 key blocks (about 55 µs at D128) leaves the call host-bound, and
+    parts made it slower: 2.2x at B1 H8 S1000 D128, 1.2-1.4x at B1 H17 S1000 and B1 H4 S2048;
+    level at 32 blocks (B1 H2 S4096).
 
     MIN_PART_BLOCKS, measured on an H100 (2026-11-27, bf16 D128, one process): 2 and 8 against 4
     within 1% on the non-causal rows of 16k tokens (S1024 to S16384; two builds with the same
@@ -130,7 +138,7 @@ def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
     """
     rounds, tail = divmod(num_tiles, num_sms)
     splits = 1
-    if tail and not (causal and rounds):
+    if tail and not (causal and rounds) and (rounds + 1) * n_kv_blocks >= MIN_SPLIT_WALK:
         splits = max(1, min(num_sms // tail, n_kv_blocks // MIN_PART_BLOCKS))
     if splits == 1:
         return num_tiles, 0, 1
