@@ -1,19 +1,19 @@
 """Small ragged causal forwards + backwards of the hand-scheduled kernels — MHA, GQA
 (example_gqa_bwd.py's group strategy, four query heads a kv head, shared out over four thread
 blocks a key block by the small-grid default, and at D = 64 also walked by one thread block of
-128 keys; each also with a single key block and Sq > Sk),
-attention sinks with a window (example_gqa_sink_bwd_bhsd.py's group strategy, both window edges,
-key blocks no query reaches: narrow windows take its dQ pass, a wider one the fused kernel; and
-its forward on a grid of several tiles a thread block) and packed sequences
+128 keys; each also with a single key block and Sq > Sk), attention sinks with a window
+(example_gqa_sink_bwd_bhsd.py's group strategy, both window edges, key blocks no query reaches:
+narrow windows take its dQ pass, a wider one the fused kernel; its forward on a grid of several
+tiles a thread block; the varlen sink forward in parts) and packed sequences
 (example_gqa_bwd_tma_reduce_varlen.py: the persistent varlen forward and the packed backward,
 with a zero-length sequence, Sq ≠ Sk and partial blocks; at D = 64 also the forward without a
 mask, whose 192-row tiles take turns, and at D = 128 a causal forward whose tiles go in parts
-over long keys), the fast backward with its last wave's walks in parts
-over the queries (non-causal, ragged: tail_split_plan), and the dense forward
-with its tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs:
-parts of each tile's own key blocks, merged by the combine kernel), in causal pairs of an odd
-block count, or in clusters of two thread blocks sharing K/V by TMA multicast (D = 128
-without causal), or from a tile counter (causal D = 128, 165 tiles of 33 heads) — for
+over long keys), the fast backward with its last wave's walks in parts over the queries
+(non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the
+keys (ragged keys, and a causal grid with fewer tiles than SMs: parts of each tile's own key
+blocks, merged by the combine kernel), in causal pairs of an odd block count, or in clusters of
+two thread blocks sharing K/V by TMA multicast (D = 128 without causal), or from a tile counter
+(causal D = 128, 165 tiles of 33 heads) — for
 compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
@@ -24,6 +24,7 @@ compute-sanitizer (not collected by pytest). On an H100, from the repository roo
                                                         # varlen or fwd
 """
 
+import itertools
 import pathlib
 import sys
 
@@ -71,6 +72,7 @@ for D, S, H in ((64, 2000, 9), (128, 1500, 12)) if "tail" in FAMILIES else ():
     print(f"tail D{D} S{S} H{H}: finite", all(bool(torch.isfinite(t).all()) for t in grads))
 
 sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
+sink_varlen = load_script("attention_sink/example_gqa_sink_fwd_varlen.py")
 for D in (64, 128) if "sink" in FAMILIES else ():
     # (Sq, Sk, window, causal, kv heads); the last, two grid rows whose short walks launch
     # after both rows' long ones at D = 128 (the fast backward's launch_order)
@@ -107,6 +109,24 @@ for D in (64, 128) if "sink" in FAMILIES else ():
     torch.cuda.synchronize()
     finite = all(bool(torch.isfinite(t).all()) for t in (out, out2))
     print(f"sink forward D{D}, 480 tiles, round-robin and from the counter: finite", finite)
+    # The varlen sink forward, few tiles over long keys: in parts (a left edge cut at the parts'
+    # ends; causal), merged with the sinks by its combine kernel; an empty sequence among them
+    lengths = [(300, 12000), (0, 7), (17, 9000)]
+    cu_q, cu_k = (
+        torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
+        for n in ([p[0] for p in lengths], [p[1] for p in lengths])
+    )
+    q = torch.randn(317, 4, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(21007, 2, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in "kv"
+    )
+    outs = [
+        sink_varlen.attention_varlen(q, k, v, cu_q, cu_k, 300, 12000, sinks[:4], window, causal)
+        for window, causal in (((9000, 0), False), ((-1, -1), True))
+    ]
+    torch.cuda.synchronize()
+    finite = all(bool(torch.isfinite(t).all()) for t in outs)
+    print(f"sink varlen forward D{D} in parts: finite", finite)
 
 varlen = load_script("flash_attention/example_gqa_bwd_tma_reduce_varlen.py")
 lens_q, lens_k = [200, 0, 17, 130], [333, 5, 17, 64]

@@ -1508,31 +1508,124 @@ def test_varlen_reference_matches_direct_float64(window, causal, groups):
         torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
 
+def _sink_tile_costs(mod, lengths, heads, block_M, block_N, window):
+    """{(query block, head, sequence): the window's key blocks + 1} for every tile."""
+    return {
+        (m, h, b): int(mod.window_key_blocks(m, block_M, block_N, sq, sk, *window)[1]) + 1
+        for b, (sq, sk) in enumerate(lengths)
+        for h in range(heads)
+        for m in range(math.ceil(sq / block_M))
+    }
+
+
 def test_varlen_tile_schedule_lists_every_tile_once():
-    """Every (query block, head, sequence) of a sequence with queries exactly once, none of an
-    empty one; each tile charged its window's key blocks (window_key_blocks) plus one; the
-    thread blocks' loads within one heaviest tile of each other round by round."""
+    """Every (query block, head, sequence) of a sequence with queries exactly once, whole or
+    in parts (test_varlen's ``_walks``), none of an empty one; each tile charged its window's
+    key blocks (window_key_blocks) plus one, as tile_costs says; the thread blocks' loads
+    within one heaviest tile of each other. A last round of few tiles over long windows goes
+    in parts: without a window, causal, and with a wide left edge; not where the busiest
+    thread block's walk is shorter than MIN_SPLIT_WALK."""
+    from test_varlen import _walks
+
     mod = load_script(VARLEN)
-    lengths = [(0, 5), (1, 1), (300, 300), (17, 1000), (1000, 17), (5, 0), (700, 700)]
-    cu_q = [0, *itertools.accumulate(p[0] for p in lengths)]
-    cu_k = [0, *itertools.accumulate(p[1] for p in lengths)]
-    for window in ((-1, -1), (-1, 0), (128, 0), (64, 64)):
-        for num_sms in (1, 7, 132):
-            table = mod.tile_schedule(cu_q, cu_k, 3, 64, 32, window, num_sms)
-            entries = [tuple(e) for e in table.reshape(-1, 3).tolist() if e[2] >= 0]
-            expect = {
-                (m, h, b)
-                for b, (sq, _) in enumerate(lengths)
-                for h in range(3)
-                for m in range(math.ceil(sq / 64))
-            }
-            assert len(entries) == len(expect) and set(entries) == expect, (window, num_sms)
-            assert table.shape[1] == min(num_sms, len(expect))
-            for m, _, b in entries[:20]:
+    owner = load_script("flash_attention/example_gqa_fwd_varlen.py")  # the deal's code
+    ragged = [(0, 5), (1, 1), (300, 300), (17, 1000), (1000, 17), (5, 0), (700, 700)]
+    few_long = [(64, 4096), (100, 3000), (0, 7)]
+    for lengths in (ragged, few_long):
+        cu_q = [0, *itertools.accumulate(p[0] for p in lengths)]
+        cu_k = [0, *itertools.accumulate(p[1] for p in lengths)]
+        for window in ((-1, -1), (-1, 0), (128, 0), (64, 64), (3000, 0)):
+            costs = _sink_tile_costs(mod, lengths, 3, 64, 32, window)
+            for num_sms in (1, 7, 132):
+                table, combine = mod.tile_schedule(cu_q, cu_k, 3, 64, 32, window, num_sms)
+                _, load = _walks(table, combine, costs, num_sms, owner.MIN_PART_BLOCKS)
+                assert max(load) - min(load) <= max(costs.values())
+                # parts where a last round of few tiles walks long windows: on 7 SMs after a
+                # round of whole tiles, on 132 every tile; never for the narrow windows, nor
+                # for the ragged batch, whose busiest walk is under MIN_SPLIT_WALK (the varlen
+                # forward's list, without that bound, has parts there on 132 SMs)
+                long_window = window in ((-1, -1), (-1, 0), (3000, 0))
+                parts = lengths is few_long and num_sms > 1 and long_window
+                assert (len(combine) > 0) == parts, (lengths, window, num_sms)
+                if lengths is few_long and num_sms == 132 and parts:
+                    assert len(combine) == 9 and table.shape == (1, 132, 6)  # every tile
+            for m, _, b in list(costs)[:20]:
                 sq, sk = lengths[b]
-                n = int(mod.window_key_blocks(m, 64, 32, sq, sk, *window)[1])
                 cost = mod.tile_costs(*(torch.tensor([x]) for x in (sq, sk, m)), 64, 32, window)
-                assert int(cost) == n + 1
+                assert int(cost) == costs[(m, 0, b)]
+
+
+def _walk_sink_schedule(mod, table, combine, args, sinks, window, block_M, block_N, scale):
+    """What the sink varlen forward computes from a tile list, in float64 with torch: each
+    entry's window blocks first … end - 1 (key blocks n_start + first …) under the window
+    mask; a whole tile's rows folded with the sink into out and lse, a part's into its slot;
+    then each split tile's parts and the sink merged as flashattn_fwd_varlen_combine does."""
+    from test_varlen import _walk_keys
+
+    q, k, v, cu_q, cu_k = args[:5]
+    groups = q.shape[1] // k.shape[1]
+    left, right = window
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[1], q.shape[0]), math.nan, dtype=torch.float64)
+    slot_o, slot_lse = {}, {}
+
+    def fold(lses, outs, h):  # the rows' lse_p and O_p, and the sink: out and lse
+        sink = torch.full_like(lses[0], -math.inf if sinks is None else float(sinks[h]))
+        total = torch.logsumexp(torch.stack([*lses, sink]), dim=0)
+        seen = torch.stack(lses).max(dim=0).values > -math.inf
+        weights = [torch.exp(lp - total)[:, None].nan_to_num() for lp in lses]
+        o = sum(w * op for w, op in zip(weights, outs, strict=True))
+        return torch.where(seen[:, None], o, 0.0), torch.where(seen, total, math.inf)
+
+    for m, h, b, slot, first, end in table.reshape(-1, 6).tolist():
+        if b < 0:
+            continue
+        q0, lq, k0, lk = cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b]
+        n_start = int(mod.window_key_blocks(m, block_M, block_N, lq, lk, left, right)[0])
+        rows = torch.arange(m * block_M, min(lq, (m + 1) * block_M))
+        keys = torch.arange((n_start + first) * block_N, (n_start + end) * block_N)
+        centre = rows[:, None] + lk - lq
+        visible = (keys[None, :] < lk).expand(len(rows), -1)
+        if right >= 0:
+            visible = visible & (keys[None, :] <= centre + right)
+        if left >= 0:
+            visible = visible & (keys[None, :] >= centre - left)
+        o, part_lse = _walk_keys(
+            q[q0 + rows, h], k[k0 : k0 + lk], v[k0 : k0 + lk], h // groups, keys, visible, scale
+        )  # fmt: skip
+        if slot < 0:
+            out[q0 + rows, h], lse[h, q0 + rows] = fold([part_lse], [o], h)
+        else:
+            slot_o[slot], slot_lse[slot] = o, part_lse
+    for m, h, b, slot0, n in combine.tolist():
+        q0, lq = cu_q[b], cu_q[b + 1] - cu_q[b]
+        rows = torch.arange(m * block_M, min(lq, (m + 1) * block_M))
+        lses = [slot_lse[slot0 + i] for i in range(n)]
+        outs = [slot_o[slot0 + i] for i in range(n)]
+        out[q0 + rows, h], lse[h, q0 + rows] = fold(lses, outs, h)
+    return out, lse
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3000, 0), (64, 64)])
+def test_varlen_tile_schedule_walk_matches_reference(window):
+    """The tile list, walked as the kernel walks it (``_walk_sink_schedule``: whole tiles and
+    parts, the parts merged with the sink), gives ref_program's out and lse on every row, with
+    and without sinks: few tiles over long keys (parts, but for the narrow window) beside empty
+    sequences, Sq != Sk. Float64, small head dim, 132 SMs."""
+    mod = load_script(VARLEN)
+    lengths = [(64, 4096), (0, 5), (100, 3000), (30, 17), (3, 0)]
+    *args, sinks = make_varlen_inputs(lengths, 4, 2, 16, torch.float64)
+    cu_q, cu_k = args[3].tolist(), args[4].tolist()
+    for s in (sinks, None):
+        s = s if s is None else s.float()
+        ref_out, ref_lse = mod.ref_program(*args, s, window, False, 0.3, return_lse=True)
+        table, combine = mod.tile_schedule(cu_q, cu_k, 4, 64, 32, window, 132)
+        assert (len(combine) > 0) == (window != (64, 64))
+        out, lse = _walk_sink_schedule(
+            mod, table, combine, (*args[:3], cu_q, cu_k), s, window, 64, 32, 0.3
+        )  # fmt: skip
+        torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
 
 def test_varlen_script_contract():
@@ -1552,9 +1645,10 @@ def test_varlen_script_contract():
         if isinstance(node, ast.FunctionDef)
         and any(ast.unparse(d) == "T.prim_func" for d in node.decorator_list)
     ]
-    assert kernels == ["flash_fwd_varlen"]
+    assert kernels == ["flash_fwd_varlen", "flash_fwd_combine"]
     macros = set(re.findall(r"@T\.macro\n    def (\w+)", source))
-    assert {"load_q", "load_kv", "scores", "mask", "softmax", "rescale", "pv", "epilogue"} <= macros
+    steps = {"load_q", "load_kv", "scores", "mask", "softmax", "rescale", "pv", "epilogue"}
+    assert steps | {"part_epilogue"} <= macros
     args = mod.build_parser().parse_args(["--window", "128", "0", "--no-sinks"])
     assert args.window == [128, 0] and args.sinks is False
 
@@ -1664,6 +1758,39 @@ def test_varlen_forward_matches_reference(case, poisoned_empty):
         mod, VARLEN_BATCHES[case["batch"]], 8, 8 // case["groups"], case["dim"], case["window"],
         case["causal"], case["sinks"], case["dtype"],
     )  # fmt: skip
+
+
+# A last round of fewer tiles than SMs over long windows: in parts, merged with the sink.
+# (lengths, H, Hkv, D, window, causal, sinks, dtype)
+VARLEN_PARTS = [
+    ([(256, 8192), (256, 8192)], 8, 8, 128, (-1, -1), True, True, torch.bfloat16),
+    ([(128, 16384)], 32, 8, 128, (-1, -1), True, True, torch.bfloat16),
+    ([(64, 8192)] * 4, 16, 16, 128, (-1, -1), False, False, torch.float16),
+    # a left edge: the three runs cut at each part's ends; an empty and a short sequence
+    ([(300, 12000), (0, 7), (17, 9000)], 4, 2, 64, (9000, 0), False, True, torch.float16),
+    ([(700, 12000), (5, 0)], 4, 4, 64, (9000, 100), False, True, torch.bfloat16),
+    # Sq > Sk, causal: the first 600 rows see no key in any part (out 0, lse +inf)
+    ([(9000, 8400)], 1, 1, 64, (-1, -1), True, True, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_PARTS, ids=lambda c: f"{c[0][0]}x{len(c[0])}-D{c[3]}")
+def test_varlen_forward_tiles_in_parts(case, poisoned_empty):
+    """Batches whose tiles go in parts over their windows (checked on the device's tile list):
+    out and lse as the reference gives them, sinks added once per row in the merge."""
+    mod = load_script(VARLEN)
+    lengths, H, Hkv, D, window, causal, sinks, dtype = case
+    len_q, len_k = [p[0] for p in lengths], [p[1] for p in lengths]
+    kernel_window = mod.normalize_window(window, causal, max(len_q), max(len_k))
+    cfg = mod.default_config(D, kernel_window, "sm_90a", max(len_k))
+    cu_q, cu_k = ((0, *itertools.accumulate(n)) for n in (len_q, len_k))
+    device = torch.device("cuda")
+    schedule = mod._device_tile_schedule(
+        cu_q, cu_k, H, cfg["block_M"], cfg["block_N"], kernel_window, device
+    )  # fmt: skip
+    assert schedule[2] > 0  # part slots
+    check_varlen(mod, lengths, H, Hkv, D, window, causal, sinks, dtype)
 
 
 @pytest.mark.gpu

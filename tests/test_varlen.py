@@ -359,6 +359,24 @@ def test_tile_schedule(script, causal, case):
         assert max(load) <= whole_end - owner.COMBINE_BLOCKS
 
 
+def _walk_keys(q_rows, k, v, kv_head, keys, visible, scale):
+    """Rows ``q_rows`` over keys ``keys`` of ``k``, ``v`` (a sequence's, from its first key),
+    those ``visible`` only, in float64: the output normalised by its own row sums and the lse,
+    -inf for a row that sees none of them, as a part's epilogue leaves them. Keys past the
+    sequence are never visible (their rows are read clamped)."""
+    if len(k) == 0:
+        k = v = torch.zeros(1, kv_head + 1, q_rows.shape[-1], dtype=q_rows.dtype)
+    kk = keys.clamp(max=len(k) - 1)
+    kh, vh = k[kk, kv_head], v[kk, kv_head]
+    scores = (q_rows @ kh.T * scale).masked_fill(~visible, -math.inf)
+    row_max = scores.max(dim=1, keepdim=True).values
+    row_max = row_max.masked_fill(row_max == -math.inf, 0)
+    p = torch.exp(scores - row_max)
+    row_sum = p.sum(dim=1)
+    o = torch.where(row_sum[:, None] > 0, p @ vh / row_sum[:, None], 0.0)
+    return o, torch.where(row_sum > 0, torch.log(row_sum) + row_max[:, 0], -math.inf)
+
+
 def _walk_schedule(table, combine, q, k, v, cu_q, cu_k, causal, block_M, block_N):
     """What the forward kernel computes from a tile list, in float64 with torch: each entry's
     key blocks first … end - 1 under the kernel's masks; a whole tile's rows into out and lse,
@@ -379,19 +397,12 @@ def _walk_schedule(table, combine, q, k, v, cu_q, cu_k, causal, block_M, block_N
         visible = (keys[None, :] < lk).expand(len(rows), -1)
         if causal:
             visible = visible & (keys[None, :] <= rows[:, None] + lk - lq)
-        kk = keys.clamp(max=max(lk - 1, 0)) + k0
-        kh = k[kk, h // groups] if lk else torch.zeros(len(keys), D, dtype=q.dtype)
-        vh = v[kk, h // groups] if lk else torch.zeros(len(keys), D, dtype=q.dtype)
-        scores = (q[q0 + rows, h] @ kh.T * scale).masked_fill(~visible, -math.inf)
-        row_max = scores.max(dim=1, keepdim=True).values
-        row_max = row_max.masked_fill(row_max == -math.inf, 0)
-        p = torch.exp(scores - row_max)
-        row_sum = p.sum(dim=1)
-        o = torch.where(row_sum[:, None] > 0, p @ vh / row_sum[:, None], 0.0)
-        part_lse = torch.where(row_sum > 0, torch.log(row_sum) + row_max[:, 0], -math.inf)
+        o, part_lse = _walk_keys(
+            q[q0 + rows, h], k[k0 : k0 + lk], v[k0 : k0 + lk], h // groups, keys, visible, scale
+        )  # fmt: skip
         if slot < 0:
             out[q0 + rows, h] = o
-            lse[h, q0 + rows] = torch.where(row_sum > 0, part_lse, math.inf)
+            lse[h, q0 + rows] = torch.where(part_lse > -math.inf, part_lse, math.inf)
         else:
             slot_o[slot], slot_lse[slot] = o, part_lse
     for m, h, b, slot0, n in combine.tolist():

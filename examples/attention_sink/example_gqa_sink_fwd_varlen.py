@@ -34,12 +34,16 @@ of a sequence's last partial query block) with the BHSD sink forward's two addit
   tile the same blocks, so the thread blocks get balanced work under any window;
 - the sink is folded into the softmax once per row, in the epilogue, as in the BHSD forward;
 - Q in two shared-memory slots (``q_stages``), as in the BHSD forward: the next tile's Q loads
-  while this one's short window still computes.
+  while this one's short window still computes;
+- a last round of fewer tiles than SMs goes in parts over the window's key blocks, as in the
+  varlen forward (its ``last_round_parts``): each part leaves its output and lse without the
+  sink, and a second kernel (``flashattn_fwd_varlen_combine``) merges a row's parts and adds
+  its sink once, the epilogue's fold over the parts.
 
 Reused from the sibling scripts (imported, not copied): the window helpers, ``normalize_window``,
 the reference and the tile configurations from example_gqa_sink_fwd_bhsd.py; the ``cu_seqlens``
-checks, the host read of its values and the padded test batch from
-examples/flash_attention/example_gqa_fwd_varlen.py.
+checks, the host read of its values, the deal of the tile list (``deal_tiles``) and the padded
+test batch from examples/flash_attention/example_gqa_fwd_varlen.py.
 
 API (FlashAttention's ``flash_attn_varlen_func`` conventions; docs/CONVENTIONS.md):
 
@@ -97,6 +101,14 @@ PASS_CONFIGS = {
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_90a",)  # --arch: Hopper only (TMA, WGMMA and setmaxnreg throughout)
 PRODUCER_REGS = 24
+# tile_schedule: the busiest thread block's whole walk, in key blocks (plus one a tile), from
+# which a last round of few tiles goes in parts. Measured on an H200 (2026-11-29, bf16, one
+# process, against whole tiles): the parts cut the GPU's time 1.2-3.2x (CUDA graphs) on five
+# few-tile batches, but add 25-35 µs to a call's 60-90 µs of host time; timed call by call they
+# won 1.86x where the whole walk was 65-129 blocks (2 x 256 queries over 2 x 8192 keys, H8,
+# causal; 128 over 16384, H32/Hkv8) and lost 0.68-0.71x where it was 25-33 (4 x 64 over
+# 4 x 4096, H16; a window of 3000 over 8000 keys, D64).
+MIN_SPLIT_WALK = 64
 # The window's key blocks and masked runs of a tile (example_gqa_sink_fwd_bhsd.py): on ints they
 # give ints, on the kernel's run-time lengths TileLang expressions.
 window_key_blocks = sink.window_key_blocks
@@ -126,8 +138,11 @@ def flashattn_fwd_varlen(
     scale = softmax_scale * LOG2E  # exp(x·s) = exp2(x·s·log2 e): one FMA per score
     neg_inf = -T.infinity(accum_dtype)
     # Sizes that change from batch to batch are dynamic: no recompilation for a new batch. The
-    # tile list (tile_schedule) is [rounds, grid, 3], and its grid is the launch grid.
-    total_q, total_k, batch, rounds, grid = T.dynamic("total_q, total_k, batch, rounds, grid")
+    # tile list (tile_schedule) is [rounds, grid, 6], and its grid is the launch grid; slots:
+    # the parts' outputs (one, unused, when no tile goes in parts).
+    total_q, total_k, batch, rounds, grid, slots = T.dynamic(
+        "total_q, total_k, batch, rounds, grid, slots"
+    )
     consumers = 2 * block_M  # one consumer warpgroup (128 threads) per 64 query rows
     # A thread block is given the 64K-register file at launch, a thread's share rounded down to
     # a multiple of 8; setmaxnreg only moves registers among its warps (a request beyond that
@@ -305,6 +320,19 @@ def flashattn_fwd_varlen(
             if row0 + i < seq_len_q:
                 lse[by, q_offset + row0 + i] = row_lse[i]
 
+    @T.macro
+    def part_epilogue(acc_o, logsum, scores_max, O_part, lse_part, slot):
+        # A part of a tile: its output normalised by its own row sums and its lse (log2 units),
+        # in float32, every row of the tile, for flashattn_fwd_varlen_combine, which adds the
+        # sink once per row. A row that sees none of the part's keys leaves O = 0 and
+        # lse = -inf: no weight in the merge.
+        for i, j in T.Parallel(block_M, dim):
+            O_part[slot, i, j] = T.if_then_else(logsum[i] > 0, acc_o[i, j] / logsum[i], 0)
+        for i in T.Parallel(block_M):
+            lse_part[slot, i] = T.if_then_else(
+                logsum[i] > 0, T.log2(logsum[i]) + scores_max[i] * scale, neg_inf
+            )
+
     @T.prim_func
     def flash_fwd_varlen(
         Q: T.Tensor([total_q, heads, dim], dtype),
@@ -312,10 +340,12 @@ def flashattn_fwd_varlen(
         V: T.Tensor([total_k, heads_kv, dim], dtype),
         cu_seqlens_q: T.Tensor([batch + 1], "int32"),
         cu_seqlens_k: T.Tensor([batch + 1], "int32"),
-        tiles: T.Tensor([rounds, grid, 3], "int32"),
+        tiles: T.Tensor([rounds, grid, 6], "int32"),
         Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
         Output: T.Tensor([total_q, heads, dim], dtype),
         lse: T.Tensor([heads, total_q], accum_dtype),
+        O_part: T.Tensor([slots, block_M, dim], accum_dtype),
+        lse_part: T.Tensor([slots, block_M], accum_dtype),
     ):
         with T.Kernel(grid, threads=consumers + 128) as cta:
             Q_shared = T.alloc_shared([q_stages, block_M, dim], dtype)
@@ -374,13 +404,15 @@ def flashattn_fwd_varlen(
                             k_offset = cu_seqlens_k[bz]
                             seq_len_q = cu_seqlens_q[bz + 1] - q_offset
                             seq_len_k = cu_seqlens_k[bz + 1] - k_offset
-                            n_start, n_blocks = key_range(m_blk, seq_len_q, seq_len_k)
+                            n_start = key_range(m_blk, seq_len_q, seq_len_k)[0]
+                            first = tiles[it, cta, 4]  # the window's blocks first … end - 1
+                            n_blocks = tiles[it, cta, 5] - first
                             q_row = q_offset + m_blk * block_M
                             load_q(Q, Q_shared, q_full, q_empty, tile_count, q_row, by)
                             for k in T.serial(n_blocks):
                                 load_kv(
                                     K, V, K_shared, V_shared, k_full, v_full, k_empty, v_empty,
-                                    kv_count + k, k_offset + (n_start + k) * block_N, by,
+                                    kv_count + k, k_offset + (n_start + first + k) * block_N, by,
                                 )  # fmt: skip
                             kv_count = kv_count + n_blocks
                             tile_count = tile_count + 1
@@ -397,10 +429,17 @@ def flashattn_fwd_varlen(
                         seq_len_q = cu_seqlens_q[bz + 1] - q_offset
                         seq_len_k = cu_seqlens_k[bz + 1] - k_offset
                         row0 = m_blk * block_M
-                        n_start, n_blocks = key_range(m_blk, seq_len_q, seq_len_k)
+                        n_start, n_window = key_range(m_blk, seq_len_q, seq_len_k)
                         n_left, n_inner_end = mask_runs(
-                            m_blk, n_start, n_blocks, seq_len_q, seq_len_k
+                            m_blk, n_start, n_window, seq_len_q, seq_len_k
                         )
+                        # This entry walks the window's blocks first … end - 1: all of them, or
+                        # (slot >= 0) a part.
+                        slot = tiles[it, cta, 3]
+                        first = tiles[it, cta, 4]
+                        end = tiles[it, cta, 5]
+                        n_blocks = end - first
+                        kv_base = kv_count - first  # window block k is ring slot kv_base + k
                         lens = (row0, seq_len_q, seq_len_k)
                         step_buffers = (
                             *lens, Q_shared, K_shared, V_shared, acc_s, acc_s_cast, acc_o,
@@ -415,18 +454,19 @@ def flashattn_fwd_varlen(
                         q_slot = tile_count % q_stages
                         T.mbarrier_wait_parity(q_full[q_slot], (tile_count // q_stages) & 1)
 
-                        # First key block of the window: S = Q Kᵀ, its softmax; P waits in
-                        # registers.
+                        # Block ``first``: S = Q Kᵀ, its softmax; P waits in registers.
                         stage = kv_count % num_stages
                         T.mbarrier_wait_parity(k_full[stage], (kv_count // num_stages) & 1)
                         scores(Q_shared[q_slot, :, :], K_shared[stage, :, :], acc_s)
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[stage])
                         if window_left >= 0:
-                            mask(n_start, *lens, acc_s)  # the left edge, or a tile of one block
+                            # the left edge, a tile of one block, or a part's first block
+                            # (the mask leaves a block every row sees whole as it is)
+                            mask(n_start + first, *lens, acc_s)
                         else:
-                            if n_inner_end == 0:
-                                mask(n_start, *lens, acc_s)
+                            if first >= n_inner_end:
+                                mask(n_start + first, *lens, acc_s)
                         softmax(
                             acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum
                         )
@@ -435,20 +475,23 @@ def flashattn_fwd_varlen(
                         # The other key blocks. A window bounded on the left: three runs, left
                         # edge (masked), the blocks every row sees whole (no mask), right edge
                         # and ragged tail (masked), so that no block decides at run time whether
-                        # to mask (that decision in the loop makes ptxas spill). A window open
-                        # on the left keeps the varlen kernel's single loop, each block testing
+                        # to mask (that decision in the loop makes ptxas spill); a part walks
+                        # the runs' stretch between its first and end. A window open on the left
+                        # keeps the varlen kernel's single loop, each block testing
                         # k >= n_inner_end (as the BHSD sink forward does).
                         if window_left >= 0:
-                            for k in T.serial(1, n_left):
-                                key_step(kv_count + k, n_start + k, True, q_slot, *step_buffers)
-                            for k in T.serial(T.max(1, n_left), n_inner_end):
-                                key_step(kv_count + k, n_start + k, False, q_slot, *step_buffers)
-                            for k in T.serial(T.max(1, n_inner_end), n_blocks):
-                                key_step(kv_count + k, n_start + k, True, q_slot, *step_buffers)
+                            left_end = T.max(first + 1, T.min(n_left, end))
+                            whole_end = T.max(left_end, T.min(n_inner_end, end))
+                            for k in T.serial(first + 1, left_end):
+                                key_step(kv_base + k, n_start + k, True, q_slot, *step_buffers)
+                            for k in T.serial(left_end, whole_end):
+                                key_step(kv_base + k, n_start + k, False, q_slot, *step_buffers)
+                            for k in T.serial(whole_end, end):
+                                key_step(kv_base + k, n_start + k, True, q_slot, *step_buffers)
                         else:
-                            for k in T.serial(1, n_blocks):
+                            for k in T.serial(first + 1, end):
                                 key_step(
-                                    kv_count + k, n_start + k, k >= n_inner_end, q_slot,
+                                    kv_base + k, n_start + k, k >= n_inner_end, q_slot,
                                     *step_buffers,
                                 )  # fmt: skip
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
@@ -461,16 +504,88 @@ def flashattn_fwd_varlen(
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[stage])
 
-                        # scores_scale and scores_sum are free now: they carry each row's
-                        # output factor and lse through the epilogue.
-                        epilogue(
-                            acc_o, logsum, scores_max, sink_logit, scores_scale, scores_sum,
-                            O_shared, Output, lse, q_offset, row0, seq_len_q, by,
-                        )  # fmt: skip
+                        if slot < 0:
+                            # scores_scale and scores_sum are free now: they carry each row's
+                            # output factor and lse through the epilogue.
+                            epilogue(
+                                acc_o, logsum, scores_max, sink_logit, scores_scale, scores_sum,
+                                O_shared, Output, lse, q_offset, row0, seq_len_q, by,
+                            )  # fmt: skip
+                        else:
+                            part_epilogue(acc_o, logsum, scores_max, O_part, lse_part, slot)
                         kv_count = kv_count + n_blocks
                         tile_count = tile_count + 1
 
     return flash_fwd_varlen
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def flashattn_fwd_varlen_combine(heads, dim, has_sinks, dtype="float16", block_M=128, rows=16):
+    """The rows of the tiles walked in parts (``tile_schedule``'s ``combine`` list), each
+    merged from its parts, and the sink added once.
+
+    Part p of a row holds O_p, normalised by its own row sum, and lse_p, the log2 of that sum
+    plus its row max (log2 units); s is the head's sink in log2 units (−inf without one). With
+    M = max(max_p lse_p, s), w_p = 2^(lse_p − M) and W = Σ w_p + 2^(s − M), the row is
+    O = Σ w_p O_p / W and lse = (M + log2 W) / log2 e: the epilogue's sink fold, over the parts.
+    A row no part saw (every lse_p −inf) gets O = 0 and lse = +inf, sink or not. One thread
+    block per ``rows`` rows of a split tile."""
+    accum_dtype = "float32"
+    total_q, batch, slots, n_split = T.dynamic("total_q, batch, slots, n_split")
+
+    @T.prim_func
+    def flash_fwd_combine(
+        O_part: T.Tensor([slots, block_M, dim], accum_dtype),
+        lse_part: T.Tensor([slots, block_M], accum_dtype),
+        combine: T.Tensor([n_split, 5], "int32"),
+        cu_seqlens_q: T.Tensor([batch + 1], "int32"),
+        Sinks: T.Tensor([heads], accum_dtype),  # not read when has_sinks is False
+        Output: T.Tensor([total_q, heads, dim], dtype),
+        lse: T.Tensor([heads, total_q], accum_dtype),
+    ):
+        with T.Kernel(n_split * (block_M // rows), threads=128) as bx:
+            j, rb = bx // (block_M // rows), bx % (block_M // rows)  # split tile, rows in it
+            row0 = combine[j, 0] * block_M + rb * rows  # within the sequence
+            by, bz, slot0, parts = combine[j, 1], combine[j, 2], combine[j, 3], combine[j, 4]
+            q_offset = cu_seqlens_q[bz]
+            seq_len_q = cu_seqlens_q[bz + 1] - q_offset
+            lse_max = T.alloc_fragment([rows], accum_dtype)
+            seen = T.alloc_fragment([rows], "bool")
+            weights = T.alloc_fragment([rows], accum_dtype)
+            acc_o = T.alloc_fragment([rows, dim], accum_dtype)
+            T.fill(lse_max, -T.infinity(accum_dtype))
+            T.fill(weights, 0)
+            T.fill(acc_o, 0)
+            for p in T.serial(parts):
+                for i in T.Parallel(rows):
+                    lse_max[i] = T.max(lse_max[i], lse_part[slot0 + p, rb * rows + i])
+            for i in T.Parallel(rows):
+                seen[i] = lse_max[i] > -T.infinity(accum_dtype)
+                if has_sinks:
+                    lse_max[i] = T.max(lse_max[i], Sinks[by] * LOG2E)
+                # a row no part saw and no sink: any finite M (its weights are all 0)
+                lse_max[i] = T.if_then_else(lse_max[i] == -T.infinity(accum_dtype), 0, lse_max[i])
+            for p in T.serial(parts):
+                for i, d in T.Parallel(rows, dim):
+                    w = T.exp2(lse_part[slot0 + p, rb * rows + i] - lse_max[i])
+                    acc_o[i, d] += w * O_part[slot0 + p, rb * rows + i, d]
+                for i in T.Parallel(rows):
+                    weights[i] += T.exp2(lse_part[slot0 + p, rb * rows + i] - lse_max[i])
+            if has_sinks:
+                for i in T.Parallel(rows):
+                    weights[i] += T.exp2(Sinks[by] * LOG2E - lse_max[i])
+            for i, d in T.Parallel(rows, dim):
+                if row0 + i < seq_len_q:  # rows past the sequence's end are not written
+                    Output[q_offset + row0 + i, by, d] = T.cast(
+                        T.if_then_else(seen[i], acc_o[i, d] / weights[i], 0), dtype
+                    )
+            for i in T.Parallel(rows):
+                if row0 + i < seq_len_q:
+                    lse[by, q_offset + row0 + i] = T.if_then_else(
+                        seen[i], (lse_max[i] + T.log2(weights[i])) / LOG2E, T.infinity(accum_dtype)
+                    )
+
+    return flash_fwd_combine
 
 
 # ----------------------------------------------------------------------------- tile list
@@ -491,14 +606,18 @@ def tile_costs(len_q, len_k, m_blk, block_M, block_N, window):
 
 def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, num_sms):
     """The persistent kernel's work list, from the cumulative lengths (Python ints) and the
-    window as the kernel takes it (``normalize_window``): int32 ``[rounds, grid, 3]``, entry
-    ``[r, cta]`` the (query block, head, sequence) thread block ``cta`` runs in round ``r``, or
-    ``(-1, -1, -1)`` for none (only in the last round). ``grid`` is at most ``num_sms``.
+    window as the kernel takes it (``normalize_window``): ``(table, combine)``.
 
-    example_gqa_fwd_varlen.py's list (its ``tile_schedule`` explains the order: heaviest
-    sequences first, a sequence head by head, the query blocks of a head last to first, dealt
-    in rounds with the heaviest tile of a round going to the least loaded thread block), with
-    each tile charged the key blocks of its window (``tile_costs``)."""
+    example_gqa_fwd_varlen.py's list (its ``tile_schedule`` explains the entries and the order:
+    heaviest sequences first, a sequence head by head, the query blocks of a head last to
+    first, dealt in rounds with the heaviest tile of a round going to the least loaded thread
+    block, a last round of fewer tiles than SMs perhaps in parts over its key blocks), with
+    each tile charged the key blocks of its window (``tile_costs``), and parts only where the
+    busiest thread block would walk MIN_SPLIT_WALK key blocks or more with whole tiles (a call
+    of this script costs more host time than the varlen forward's, so shorter calls are bound
+    by it; the parts add a launch). An entry's ``first`` and
+    ``end`` count the window's blocks: block ``first`` is key block ``n_start + first`` of
+    ``window_key_blocks``."""
     cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int64)
     cu_k = torch.tensor(cu_seqlens_k, dtype=torch.int64)
     len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
@@ -513,29 +632,20 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, n
     rank = torch.empty_like(sequence_cost)
     rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
     order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
-    entries = torch.stack([m_blk, head, seq], dim=1)[order]
-    cost = cost[order]
-
-    grid = max(1, min(num_sms, len(order)))
-    rounds = (len(order) + grid - 1) // grid
-    table = torch.full((rounds, grid, 3), -1, dtype=torch.int32)
-    load = torch.zeros(grid, dtype=torch.int64)  # the work each thread block has so far
-    for r in range(rounds):
-        this_round = slice(r * grid, (r + 1) * grid)
-        heaviest_first = torch.argsort(cost[this_round], descending=True, stable=True)
-        least_loaded = torch.argsort(load, stable=True)[: len(heaviest_first)]
-        table[r, least_loaded] = entries[this_round][heaviest_first].to(torch.int32)
-        load[least_loaded] += cost[this_round][heaviest_first]
-    return table
+    tiles = torch.stack([m_blk, head, seq, cost - 1], dim=1)[order]  # cost - 1: key blocks
+    return varlen.deal_tiles(tiles, cost[order], num_sms, MIN_SPLIT_WALK)
 
 
 @functools.lru_cache(maxsize=64)
 def _device_tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, device):
-    """``tile_schedule`` on ``device`` for one thread block per SM, kept for the next call with
-    the same lengths and window (a model's layers share one batch's ``cu_seqlens``)."""
+    """``tile_schedule`` on ``device`` for one thread block per SM, and the number of part
+    slots (0: no parts), kept for the next call with the same lengths and window (a model's
+    layers share one batch's ``cu_seqlens``)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    table = tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, num_sms)
-    return table.to(device)
+    table, combine = tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, num_sms
+    )  # fmt: skip
+    return table.to(device), combine.to(device), int(combine[:, 4].sum())
 
 
 def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
@@ -620,10 +730,18 @@ def attention_forward(
         kernel = flashattn_fwd_varlen(
             H, k.shape[1], D, *window, has_sinks, float(softmax_scale), sink.dtype_name(q), **cfg
         )
-        tiles = _device_tile_schedule(
+        tiles, combine, slots = _device_tile_schedule(
             values_q, values_k, H, cfg["block_M"], cfg["block_N"], window, q.device
         )
-        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, sinks_in, out, lse)
+        # The parts' outputs; without parts, one-slot stand-ins the kernel never touches.
+        O_part = q.new_empty(max(1, slots), cfg["block_M"], D, dtype=torch.float32)
+        lse_part = q.new_empty(max(1, slots), cfg["block_M"], dtype=torch.float32)
+        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, sinks_in, out, lse, O_part, lse_part)
+        if slots:  # tiles in parts: merged, with the sink, by a second kernel
+            merge = flashattn_fwd_varlen_combine(
+                H, D, has_sinks, sink.dtype_name(q), cfg["block_M"]
+            )
+            merge(O_part, lse_part, combine, cu_seqlens_q, sinks_in, out, lse)
     return out, lse
 
 

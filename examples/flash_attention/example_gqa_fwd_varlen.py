@@ -548,10 +548,8 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     Q and storing O; the kernel walks what the list says. Sequences go heaviest first (their
     total cost); within a sequence, head by head (the heads of a group one after another), the
     query blocks of a head last to first (the heaviest first when causal), so the tiles of a
-    round mostly share a few kv heads' K and V in L2. The list is dealt in rounds of ``grid``
-    tiles, one tile per thread block; within a round the heaviest tile goes to the thread block
-    with the least work so far. The last round's tiles may go in parts instead
-    (``last_round_parts``)."""
+    round mostly share a few kv heads' K and V in L2. The list is dealt in rounds, its last
+    round perhaps in parts (``deal_tiles``)."""
     cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int64)
     cu_k = torch.tensor(cu_seqlens_k, dtype=torch.int64)
     len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
@@ -573,12 +571,22 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     rank = torch.empty_like(sequence_cost)
     rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
     order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
-    whole_tile, first = torch.full_like(m_blk, -1), torch.zeros_like(m_blk)  # slot, first block
-    entries = torch.stack([m_blk, head, seq, whole_tile, first, n_blocks], dim=1)[order]
-    cost = cost[order]
+    tiles = torch.stack([m_blk, head, seq, n_blocks], dim=1)[order]
+    return deal_tiles(tiles, cost[order], num_sms)
 
-    grid = max(1, min(num_sms, len(order)))
-    rounds = (len(order) + grid - 1) // grid
+
+def deal_tiles(tiles, cost, num_sms, min_walk=0):
+    """``tile_schedule``'s deal of ``tiles``, int64 ``[n, 4]`` (query block, head, sequence, key
+    blocks) in the list's order, and their costs: ``(table, combine)`` as it returns them.
+
+    The list is dealt in rounds of ``grid`` tiles (at most ``num_sms``), one tile per thread
+    block; within a round the heaviest tile goes to the thread block with the least work so far.
+    The last round's tiles may go in parts instead (``last_round_parts``; ``min_walk``, the
+    shortest busiest walk for which it considers them)."""
+    whole_tile, first = torch.full_like(cost, -1), torch.zeros_like(cost)  # slot, first block
+    entries = torch.cat([tiles[:, :3], whole_tile[:, None], first[:, None], tiles[:, 3:]], dim=1)
+    grid = max(1, min(num_sms, len(tiles)))
+    rounds = (len(tiles) + grid - 1) // grid
     load = torch.zeros(num_sms, dtype=torch.int64)  # the work each thread block has so far
     dealt = []  # (round, thread blocks, entries)
 
@@ -592,8 +600,8 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     for r in range(rounds - 1):
         this_round = slice(r * grid, (r + 1) * grid)
         deal(r, entries[this_round], cost[this_round], grid)
-    last = slice((rounds - 1) * grid, len(order))
-    parts = last_round_parts(entries[last], load[:grid], num_sms) if len(order) else None
+    last = slice((rounds - 1) * grid, len(tiles))
+    parts = last_round_parts(entries[last], load[:grid], num_sms, min_walk) if len(tiles) else None
     combine = torch.zeros((0, 5), dtype=torch.int32)
     if parts is None:
         deal(rounds - 1, entries[last], cost[last], grid)
@@ -607,7 +615,7 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     return table, combine
 
 
-def last_round_parts(entries, load, num_sms):
+def last_round_parts(entries, load, num_sms, min_walk=0):
     """The last round's tiles walked in parts over their key blocks, where that ends sooner:
     ``(part entries, combine)`` as ``tile_schedule`` lists them, or None.
 
@@ -617,7 +625,9 @@ def last_round_parts(entries, load, num_sms):
     whose parts are longest takes one more part, while SMs remain. A part costs its key blocks
     plus one, as a tile does; the parts are dealt heaviest first to the thread blocks with the
     least work. Kept only if the busiest thread block then ends at least COMBINE_BLOCKS key blocks
-    sooner than with the whole tiles: the combine kernel's launch costs about that much.
+    sooner than with the whole tiles: the combine kernel's launch costs about that much; and, for
+    a caller whose calls cost more host time, only if the busiest thread block's work with the
+    whole tiles is at least ``min_walk`` (the sink forward's).
 
     Measured on an H200 (2026-11-29, bf16 D128, one process, eleven rounds, against whole
     tiles): 1.94x on 2 sequences of 256 queries over 8192 keys (H8, causal; D64 1.63x), 3.01x
@@ -637,6 +647,8 @@ def last_round_parts(entries, load, num_sms):
         return None
     # Whole tiles go to the ``len(load)`` thread blocks of the rounds before; parts to every SM.
     whole = torch.sort(load).values[: len(blocks)] + torch.sort(blocks + 1, descending=True).values
+    if int(whole.max()) < min_walk:
+        return None
     every_sm = torch.zeros(num_sms, dtype=torch.int64)
     every_sm[: len(load)] = load
     part_entries, combine, slot = [], [], 0
