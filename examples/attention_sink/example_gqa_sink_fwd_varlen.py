@@ -613,11 +613,10 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, n
     first, dealt in rounds with the heaviest tile of a round going to the least loaded thread
     block, a last round of fewer tiles than SMs perhaps in parts over its key blocks), with
     each tile charged the key blocks of its window (``tile_costs``), and parts only where the
-    busiest thread block would walk MIN_SPLIT_WALK key blocks or more with whole tiles (a call
-    of this script costs more host time than the varlen forward's, so shorter calls are bound
-    by it; the parts add a launch). An entry's ``first`` and
-    ``end`` count the window's blocks: block ``first`` is key block ``n_start + first`` of
-    ``window_key_blocks``."""
+    busiest thread block would walk MIN_SPLIT_WALK key blocks or more with whole tiles: a
+    shorter walk leaves the call bound by its host time, to which the parts' second launch only
+    adds. An entry's ``first`` and ``end`` count the window's blocks: block ``first`` is key
+    block ``n_start + first`` of ``window_key_blocks``."""
     cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int64)
     cu_k = torch.tensor(cu_seqlens_k, dtype=torch.int64)
     len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]

@@ -625,9 +625,9 @@ def last_round_parts(entries, load, num_sms, min_walk=0):
     whose parts are longest takes one more part, while SMs remain. A part costs its key blocks
     plus one, as a tile does; the parts are dealt heaviest first to the thread blocks with the
     least work. Kept only if the busiest thread block then ends at least COMBINE_BLOCKS key blocks
-    sooner than with the whole tiles: the combine kernel's launch costs about that much; and, for
-    a caller whose calls cost more host time, only if the busiest thread block's work with the
-    whole tiles is at least ``min_walk`` (the sink forward's).
+    sooner than with the whole tiles: the combine kernel's launch costs about that much; and,
+    where the caller asks, only if the busiest thread block's work with the whole tiles is at
+    least ``min_walk`` (the sink forward's calls, timed, lost with parts below its bound).
 
     Measured on an H200 (2026-11-29, bf16 D128, one process, eleven rounds, against whole
     tiles): 1.94x on 2 sequences of 256 queries over 8192 keys (H8, causal; D64 1.63x), 3.01x
