@@ -1716,6 +1716,7 @@ def test_varlen_compile_only_main(capsys):
     load_script(VARLEN).main(argv)
     out = capsys.readouterr().out
     assert "built for sm_90a" in out and "wgmma" in out and "(64, 0)" in out
+    assert "flashattn_fwd_varlen_combine: " in out  # the merge of tiles in parts builds too
 
 
 # GPU: the correctness matrix on ragged batches (lengths 0, 1, 17, 255, 1000; Sq != Sk).

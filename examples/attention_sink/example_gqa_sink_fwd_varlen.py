@@ -632,7 +632,7 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, n
     rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
     order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
     tiles = torch.stack([m_blk, head, seq, cost - 1], dim=1)[order]  # cost - 1: key blocks
-    return varlen.deal_tiles(tiles, cost[order], num_sms, MIN_SPLIT_WALK)
+    return varlen.deal_tiles(tiles, num_sms, MIN_SPLIT_WALK)
 
 
 @functools.lru_cache(maxsize=64)
@@ -930,6 +930,10 @@ def main(argv=None):
             "and tile list dynamic)"
         )
         print(harness.describe_source("flashattn_fwd_varlen", kernel.get_kernel_source()))
+        merge = harness.compile_for(
+            flashattn_fwd_varlen_combine, args.arch, H, D, args.sinks, args.dtype, cfg["block_M"]
+        )  # fmt: skip
+        print(harness.describe_source("flashattn_fwd_varlen_combine", merge.get_kernel_source()))
         return
 
     harness.require_gpu(script, capability=(9, 0))

@@ -571,20 +571,22 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, n
     rank = torch.empty_like(sequence_cost)
     rank[torch.argsort(-sequence_cost, stable=True)] = torch.arange(len(len_q))
     order = torch.argsort(rank[seq], stable=True)  # stable: head by head, block by block
-    tiles = torch.stack([m_blk, head, seq, n_blocks], dim=1)[order]
-    return deal_tiles(tiles, cost[order], num_sms)
+    return deal_tiles(torch.stack([m_blk, head, seq, n_blocks], dim=1)[order], num_sms)
 
 
-def deal_tiles(tiles, cost, num_sms, min_walk=0):
+def deal_tiles(tiles, num_sms, min_walk=0):
     """``tile_schedule``'s deal of ``tiles``, int64 ``[n, 4]`` (query block, head, sequence, key
-    blocks) in the list's order, and their costs: ``(table, combine)`` as it returns them.
+    blocks) in the list's order: ``(table, combine)`` as it returns them. A tile costs its key
+    blocks plus one.
 
     The list is dealt in rounds of ``grid`` tiles (at most ``num_sms``), one tile per thread
     block; within a round the heaviest tile goes to the thread block with the least work so far.
     The last round's tiles may go in parts instead (``last_round_parts``; ``min_walk``, the
     shortest busiest walk for which it considers them)."""
-    whole_tile, first = torch.full_like(cost, -1), torch.zeros_like(cost)  # slot, first block
-    entries = torch.cat([tiles[:, :3], whole_tile[:, None], first[:, None], tiles[:, 3:]], dim=1)
+    blocks = tiles[:, 3:]
+    cost = blocks[:, 0] + 1
+    # whole tiles: slot -1, key blocks 0 … blocks - 1
+    entries = torch.cat([tiles[:, :3], torch.full_like(blocks, -1), 0 * blocks, blocks], dim=1)
     grid = max(1, min(num_sms, len(tiles)))
     rounds = (len(tiles) + grid - 1) // grid
     load = torch.zeros(num_sms, dtype=torch.int64)  # the work each thread block has so far
