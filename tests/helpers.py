@@ -39,3 +39,30 @@ def assert_one_producer_warp(src: str, consumers: int, fulls=("k_full", "v_full"
     assert f"if (((int)threadIdx.x) < {consumers + 32})" in src, "one producer warp loads"
     for full in fulls:
         assert f"{full}[0].init(32);" in src, full
+
+
+def record_launches(monkeypatch, *factories):
+    """Kernel factories (``(module, name)`` pairs) replaced by stand-ins that record each build
+    ``(name, args, kwargs)`` and each launch ``(name, tensors)``, each module's ``entry`` by the
+    identity (a stand-in is its own entry point), and the device by an H100's (sm_90, 132 SMs),
+    so a forward's host plan runs on CPU tensors. Returns the two lists."""
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    builds, launches = [], []
+
+    def stand_in(name):
+        def build(*args, **kwargs):
+            builds.append((name, args, kwargs))
+            return lambda *tensors: launches.append((name, tensors))
+
+        return build
+
+    for module, name in factories:
+        monkeypatch.setattr(module, name, stand_in(name))
+        if hasattr(module, "entry"):
+            monkeypatch.setattr(module, "entry", lambda kernel: kernel)
+    return builds, launches

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import EXAMPLES, assert_one_producer_warp, load_script, rel_err
+from helpers import EXAMPLES, assert_one_producer_warp, load_script, record_launches, rel_err
 
 FWD = "attention_sink/example_gqa_sink_fwd_bhsd.py"
 FAST_BWD = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
@@ -1518,6 +1518,58 @@ def _sink_tile_costs(mod, lengths, heads, block_M, block_N, window):
     }
 
 
+def test_varlen_forward_plan_is_settled_once_a_batch(monkeypatch):
+    """The varlen sink forward's plan (``forward_plan``): the first call over a batch's lengths
+    builds its kernels (the window normalised on the longest sequences) and deals its tile list;
+    later calls over the same lengths only launch. Without sinks the kernel gets a stand-in,
+    the same one every call, as are the parts' stand-ins without parts; with parts the combine
+    gets the sinks too. The kernels are recorded stand-ins on CPU tensors, the device an
+    H100's."""
+    mod = load_script(VARLEN)
+    factories = (mod, "flashattn_fwd_varlen"), (mod, "flashattn_fwd_varlen_combine")
+    builds, launches = record_launches(monkeypatch, *factories)
+    mod.forward_plan.cache_clear()
+    try:
+        check_varlen_forward_plan(mod, builds, launches)
+    finally:  # the stand-ins' plans must not outlive the test
+        mod.forward_plan.cache_clear()
+
+
+def check_varlen_forward_plan(mod, builds, launches):
+    """The body of the test above, with its stand-ins in place."""
+
+    def call(lens_q, lens_k, sinks, window):
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                      for n in (lens_q, lens_k))  # fmt: skip
+        q = torch.randn(sum(lens_q), 8, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lens_k), 2, 128, dtype=torch.bfloat16) for _ in "kv")
+        args = (q, k, v, cu_q, cu_k, max(lens_q), sinks, window, False, 0.125)
+        out, lse = mod.attention_forward(*args)
+        return (q, k, v, cu_q, cu_k, sinks, out, lse), launches[-1]
+
+    stand_ins = []
+    for _ in range(2):  # 1000 queries and keys, H8/Hkv2: 64 whole tiles
+        tensors, (name, launched) = call([1000], [1000], None, (5000, 0))
+        assert name == "flashattn_fwd_varlen" and len(launched) == 11
+        assert all(a is b for a, b in zip(launched[:5], tensors[:5], strict=True))
+        assert all(a is b for a, b in zip(launched[7:9], tensors[6:], strict=True))
+        stand_ins.append(launched[6:7] + launched[9:])
+    assert len(builds) == 1 and builds[0][1][3:6] == (-1, 0, False)  # window as causal
+    assert [t.shape for t in stand_ins[0]] == [(8,), (1, 128, 128), (1, 128)]
+    assert all(a is b for a, b in zip(*stand_ins, strict=True))  # made once, with the plan
+    # 128 queries over 16384 keys, sinks: 8 tiles in 132 parts, then the combine with the sinks
+    sinks = torch.randn(8)
+    tensors, _ = call([128], [16384], sinks, (-1, -1))
+    (name, launched), (merge, merged) = launches[-2:]
+    assert (name, merge) == ("flashattn_fwd_varlen", "flashattn_fwd_varlen_combine")
+    O_part, lse_part = launched[9:]
+    assert O_part.shape == (132, 128, 128)
+    assert launched[6].data_ptr() == sinks.data_ptr()  # the caller's sinks (detached)
+    assert merged[0] is O_part and merged[1] is lse_part and merged[3] is tensors[3]
+    assert merged[4] is launched[6] and merged[5] is tensors[6] and merged[6] is tensors[7]
+    assert [b[0] for b in builds[1:]] == ["flashattn_fwd_varlen", "flashattn_fwd_varlen_combine"]
+
+
 def test_varlen_tile_schedule_lists_every_tile_once():
     """Every (query block, head, sequence) of a sequence with queries exactly once, whole or
     in parts (test_varlen's ``_walks``), none of an empty one; each tile charged its window's
@@ -1786,11 +1838,11 @@ def test_varlen_forward_tiles_in_parts(case, poisoned_empty):
     kernel_window = mod.normalize_window(window, causal, max(len_q), max(len_k))
     cfg = mod.default_config(D, kernel_window, "sm_90a", max(len_k))
     cu_q, cu_k = ((0, *itertools.accumulate(n)) for n in (len_q, len_k))
-    device = torch.device("cuda")
-    schedule = mod._device_tile_schedule(
-        cu_q, cu_k, H, cfg["block_M"], cfg["block_N"], kernel_window, device
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, combine = mod.tile_schedule(
+        cu_q, cu_k, H, cfg["block_M"], cfg["block_N"], kernel_window, num_sms
     )  # fmt: skip
-    assert schedule[2] > 0  # part slots
+    assert combine[:, 4].sum() > 0  # part slots
     check_varlen(mod, lengths, H, Hkv, D, window, causal, sinks, dtype)
 
 

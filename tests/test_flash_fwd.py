@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_one_producer_warp, load_script
+from helpers import assert_one_producer_warp, load_script, record_launches
 
 BSHD = "flash_attention/example_mha_fwd_bshd.py"
 BHSD = "flash_attention/example_mha_fwd_bhsd.py"
@@ -648,6 +648,59 @@ def test_bad_input_raises_value_error_naming_argument(script):
 def test_poisoned_empty_fixture_poisons(poisoned_empty):
     """The GPU tests rely on this: an output element the kernel never writes reads NaN."""
     assert torch.isnan(torch.empty(64)).all()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_forward_plan_is_settled_once_a_shape(script, monkeypatch):
+    """attention_forward's plan (``forward_plan``): a shape's first call builds its kernels and
+    deals its tiles, later calls of the shape only launch; a caller's tiles build again. Its
+    launches: whole tiles (q, k, v, out, lse); tiles in parts (the parts' float32 outputs
+    after them, then the combine over those); tiles from a counter (a zero int32 counter after
+    them). The kernels are recorded stand-ins on CPU tensors, the device an H100's."""
+    mod = load_script(script)
+    factories = (mod, "flashattn_fwd"), (mod, "flashattn_fwd_combine")
+    builds, launches = record_launches(monkeypatch, *factories)
+    mod.forward_plan.cache_clear()
+    try:
+        check_forward_plan(script, mod, builds, launches)
+    finally:  # the stand-ins' plans must not outlive the test
+        mod.forward_plan.cache_clear()
+
+
+def check_forward_plan(script, mod, builds, launches):
+    """The body of the test above, with its stand-ins in place."""
+
+    def call(B, Sq, Sk, H, Hkv, causal=False, config=None):
+        q, k, v = make_inputs(script, B, Sq, Sk, H, Hkv, 128, dtype=torch.bfloat16)
+        out, lse = mod.attention_forward(q, k, v, causal, 128**-0.5, config)
+        return (q, k, v, out, lse), launches[-1]
+
+    Hkv = 2 if script == GQA else 8
+    # 128 tiles of 8 key blocks: one round, whole (a walk too short for parts)
+    for _ in range(2):
+        tensors, (name, launched) = call(2, 1000, 1000, 8, Hkv)
+        assert name == "flashattn_fwd" and all(
+            a is b for a, b in zip(launched, tensors, strict=True)
+        )
+        assert len(launched) == 5
+    assert len(builds) == 1 and builds[0][2]["num_sms"] == 132
+    cfg = dict(builds[0][2], block_N=64)
+    del cfg["num_sms"]
+    call(2, 1000, 1000, 8, Hkv, config=cfg)
+    assert len(builds) == 2 and builds[1][2]["block_N"] == 64
+    # 4 tiles of 32 key blocks: 8 parts each, then the combine over the 32 parts
+    tensors, _ = call(1, 17, 4000, 4, 2 if script == GQA else 4)
+    (name, launched), (merge, merged) = launches[-2:]
+    assert (name, merge) == ("flashattn_fwd", "flashattn_fwd_combine")
+    o_part, lse_part = launched[5:]
+    assert o_part.shape == (32, 128, 128) and lse_part.shape == (32, 128)
+    assert o_part.dtype == lse_part.dtype == torch.float32
+    assert all(a is b for a, b in zip(merged, (o_part, lse_part, *tensors[3:]), strict=True))
+    assert builds[-1][0] == "flashattn_fwd_combine" and builds[-1][1][-3:] == (0, 4, 8)
+    # causal, 3 x 45 heads of 8 query blocks: tiles from a counter that starts at zero
+    _, (name, launched) = call(3, 1000, 1000, 45, 45, causal=True)
+    assert name == "flashattn_fwd" and len(launched) == 6
+    assert launched[5].dtype == torch.int32 and launched[5].tolist() == [0]
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from helpers import ROOT, assert_one_producer_warp, load_script
+from helpers import ROOT, assert_one_producer_warp, load_script, record_launches
 
 import bert_padding as bp
 
@@ -438,6 +438,58 @@ def test_tile_schedule_walk_matches_reference(case, causal):
     )  # fmt: skip
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("script", [GQA_FWD, MHA_FWD])
+def test_forward_plan_is_settled_once_a_batch(script, monkeypatch):
+    """attention_forward's plan (``forward_plan``): the first call over a batch's lengths builds
+    its kernels and deals its tile list, later calls over the same lengths only launch; new
+    lengths deal again. Its launches: without parts the tile list and one-slot stand-ins for the
+    parts' outputs, the same ones every call; with parts, fresh float32 outputs for every slot,
+    then the combine over them. The kernels are recorded stand-ins on CPU tensors, the device an
+    H100's."""
+    mod, gqa = load_script(script), load_script(GQA_FWD)  # the combine: the GQA script's
+    factories = (mod, "flashattn_fwd_varlen"), (gqa, "flashattn_fwd_varlen_combine")
+    builds, launches = record_launches(monkeypatch, *factories)
+    mod.forward_plan.cache_clear()
+    try:
+        check_forward_plan(mod, builds, launches)
+    finally:  # the stand-ins' plans must not outlive the test
+        mod.forward_plan.cache_clear()
+
+
+def check_forward_plan(mod, builds, launches):
+    """The body of the test above, with its stand-ins in place."""
+
+    def call(lens_q, lens_k, H):
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                      for n in (lens_q, lens_k))  # fmt: skip
+        q = torch.randn(sum(lens_q), H, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lens_k), H, 128, dtype=torch.bfloat16) for _ in "kv")
+        out, lse = mod.attention_forward(q, k, v, cu_q, cu_k, max(lens_q), False, 0.125)
+        return (q, k, v, cu_q, cu_k, out, lse), launches[-1]
+
+    # 2 x 1000, H8: 128 tiles, one round of 128 thread blocks, whole
+    stand_ins = []
+    for _ in range(2):
+        tensors, (name, launched) = call([1000, 1000], [1000, 1000], 8)
+        assert name == "flashattn_fwd_varlen" and len(launched) == 10
+        assert all(a is b for a, b in zip(launched[:5] + launched[6:8], tensors, strict=True))
+        assert launched[5].shape == (1, 128, 6) and launched[5].dtype == torch.int32
+        stand_ins.append(launched[8:])
+    assert len(builds) == 1
+    assert [t.shape for t in stand_ins[0]] == [(1, 128, 128), (1, 128)]
+    assert all(a is b for a, b in zip(*stand_ins, strict=True))  # made once, with the plan
+    # 128 queries over 16384 keys, H8: 8 tiles in 132 parts, then the combine over them
+    tensors, _ = call([128], [16384], 8)
+    (name, launched), (merge, merged) = launches[-2:]
+    assert (name, merge) == ("flashattn_fwd_varlen", "flashattn_fwd_varlen_combine")
+    O_part, lse_part = launched[8:]
+    assert O_part.shape == (132, 128, 128) and lse_part.shape == (132, 128)
+    assert O_part.dtype == lse_part.dtype == torch.float32
+    assert merged[0] is O_part and merged[1] is lse_part and merged[3] is tensors[3]
+    assert merged[4] is tensors[5] and merged[5] is tensors[6]
+    assert [b[0] for b in builds[1:]] == ["flashattn_fwd_varlen", "flashattn_fwd_varlen_combine"]
 
 
 # ----------------------------------------------------------------------------- CPU: builds

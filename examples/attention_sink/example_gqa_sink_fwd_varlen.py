@@ -41,7 +41,8 @@ of a sequence's last partial query block) with the BHSD sink forward's two addit
   its sink once, the epilogue's fold over the parts.
 
 Reused from the sibling scripts (imported, not copied): the window helpers, ``normalize_window``,
-the reference and the tile configurations from example_gqa_sink_fwd_bhsd.py; the ``cu_seqlens``
+the reference, the tile configurations and ``entry`` (a kernel's compiled entry point) from
+example_gqa_sink_fwd_bhsd.py; the ``cu_seqlens``
 checks, the host read of its values, the deal of the tile list (``deal_tiles``) and the padded
 test batch from examples/flash_attention/example_gqa_fwd_varlen.py.
 
@@ -107,7 +108,9 @@ PRODUCER_REGS = 24
 # few-tile batches, but add 25-35 µs to a call's 60-90 µs of host time; timed call by call they
 # won 1.86x where the whole walk was 65-129 blocks (2 x 256 queries over 2 x 8192 keys, H8,
 # causal; 128 over 16384, H32/Hkv8) and lost 0.68-0.71x where it was 25-33 (4 x 64 over
-# 4 x 4096, H16; a window of 3000 over 8000 keys, D64).
+# 4 x 4096, H16; a window of 3000 over 8000 keys, D64). With ``forward_plan`` (a call's host
+# time about halved, the parts' share 15-23 µs) the parts at a bound of 16 still lost on those
+# two batches, 0.94x and 0.71x.
 MIN_SPLIT_WALK = 64
 # The window's key blocks and masked runs of a tile (example_gqa_sink_fwd_bhsd.py): on ints they
 # give ints, on the kernel's run-time lengths TileLang expressions.
@@ -115,6 +118,7 @@ window_key_blocks = sink.window_key_blocks
 window_mask_runs = sink.window_mask_runs
 normalize_window = sink.normalize_window
 window_mask = sink.window_mask
+entry = sink.entry  # a kernel's compiled entry point, launched without TileLang's call wrapper
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -636,15 +640,56 @@ def tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, n
 
 
 @functools.lru_cache(maxsize=64)
-def _device_tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, device):
-    """``tile_schedule`` on ``device`` for one thread block per SM, and the number of part
-    slots (0: no parts), kept for the next call with the same lengths and window (a model's
-    layers share one batch's ``cu_seqlens``)."""
+def forward_plan(
+    cu_seqlens_q, cu_seqlens_k, heads, heads_kv, dim, window_size, causal, has_sinks,
+    softmax_scale, dtype, config, device,
+):  # fmt: skip
+    """``launch(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, out, lse)`` for one batch's lengths
+    (``cu_seqlens_q/k`` as tuples), settled on its first call and kept for the next call with
+    the same lengths (a model's layers share one batch's ``cu_seqlens``), as the varlen
+    forward's ``forward_plan``: the window on the longest sequences, the tiles (``config``: the
+    caller's as sorted (key, value) pairs, or None for ``default_config``), the tile list on the
+    device and the builds as compiled entry points (``entry``). The kernel takes a sinks tensor
+    either way; without sinks (None) it gets a stand-in it never reads, made here once, as are
+    the parts' stand-ins without parts."""
+    longest_q, longest_k = (
+        max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+        for cu in (cu_seqlens_q, cu_seqlens_k)
+    )
+    window = normalize_window(window_size, causal, longest_q, longest_k)
+    arch = varlen.device_arch(device)
+    cfg = dict(config) if config else default_config(dim, window, arch, longest_k)
+    block_M, block_N = cfg["block_M"], cfg["block_N"]
+    forward = entry(
+        flashattn_fwd_varlen(heads, heads_kv, dim, *window, has_sinks, softmax_scale, dtype, **cfg)
+    )
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     table, combine = tile_schedule(
         cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, window, num_sms
     )  # fmt: skip
-    return table.to(device), combine.to(device), int(combine[:, 4].sum())
+    tiles, slots = table.to(device), int(combine[:, 4].sum())
+    no_sinks = None if has_sinks else torch.empty(heads, dtype=torch.float32, device=device)
+    if not slots:
+        O_part = torch.empty(1, block_M, dim, dtype=torch.float32, device=device)
+        lse_part = torch.empty(1, block_M, dtype=torch.float32, device=device)
+
+        def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, out, lse):
+            sinks = no_sinks if sinks is None else sinks
+            forward(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, sinks, out, lse, O_part, lse_part)
+
+        return launch
+    # Tiles in parts: merged, with the sink, by a second kernel.
+    merge = entry(flashattn_fwd_varlen_combine(heads, dim, has_sinks, dtype, block_M))
+    combine = combine.to(device)
+
+    def launch_in_parts(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, out, lse):
+        sinks = no_sinks if sinks is None else sinks
+        O_part = q.new_empty(slots, block_M, dim, dtype=torch.float32)
+        lse_part = q.new_empty(slots, block_M, dtype=torch.float32)
+        forward(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, sinks, out, lse, O_part, lse_part)
+        merge(O_part, lse_part, combine, cu_seqlens_q, sinks, out, lse)
+
+    return launch_in_parts
 
 
 def default_config(dim, window=(-1, -1), arch="sm_90a", seq_len=None):
@@ -709,38 +754,23 @@ def attention_forward(
 ):  # fmt: skip
     """The kernel on checked, contiguous input: ``out`` and ``lse [H, total_q]`` (float32, the
     sink included); what the operator runs. ``window_size`` as the caller gave it; it is
-    normalised here on the longest sequences (a bound no row of any sequence reaches is -1)."""
+    normalised in ``forward_plan``, on the longest sequences (a bound no row of any sequence
+    reaches is -1)."""
     del max_seqlen_q  # the tile list comes from the lengths themselves
     H, D = q.shape[1:]
-    values_q, values_k = tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k))
-    longest_q = max((b - a for a, b in zip(values_q[:-1], values_q[1:], strict=True)), default=0)
-    longest_k = max((b - a for a, b in zip(values_k[:-1], values_k[1:], strict=True)), default=0)
-    window = normalize_window(window_size, causal, longest_q, longest_k)
-    cfg = config or default_config(D, window, varlen.device_arch(q.device), longest_k)
     out = torch.empty_like(q)
     lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
     if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
         out.zero_()
         lse.fill_(math.inf)
     elif q.shape[0] > 0:
-        has_sinks = sinks is not None
-        # The kernel takes a sinks tensor either way; without sinks it never reads it.
-        sinks_in = sinks.detach().contiguous() if has_sinks else lse.new_empty(H)
-        kernel = flashattn_fwd_varlen(
-            H, k.shape[1], D, *window, has_sinks, float(softmax_scale), sink.dtype_name(q), **cfg
-        )
-        tiles, combine, slots = _device_tile_schedule(
-            values_q, values_k, H, cfg["block_M"], cfg["block_N"], window, q.device
-        )
-        # The parts' outputs; without parts, one-slot stand-ins the kernel never touches.
-        O_part = q.new_empty(max(1, slots), cfg["block_M"], D, dtype=torch.float32)
-        lse_part = q.new_empty(max(1, slots), cfg["block_M"], dtype=torch.float32)
-        kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, sinks_in, out, lse, O_part, lse_part)
-        if slots:  # tiles in parts: merged, with the sink, by a second kernel
-            merge = flashattn_fwd_varlen_combine(
-                H, D, has_sinks, sink.dtype_name(q), cfg["block_M"]
-            )
-            merge(O_part, lse_part, combine, cu_seqlens_q, sinks_in, out, lse)
+        launch = forward_plan(
+            tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H, k.shape[1],
+            D, tuple(window_size), bool(causal), sinks is not None, float(softmax_scale),
+            sink.dtype_name(q), tuple(sorted(config.items())) if config else None, q.device,
+        )  # fmt: skip
+        sinks = sinks if sinks is None else sinks.detach().contiguous()
+        launch(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, out, lse)
     return out, lse
 
 

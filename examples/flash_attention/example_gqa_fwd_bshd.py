@@ -84,6 +84,7 @@ import einops
 import tilelang
 import tilelang.language as T
 import torch
+from tilelang import tvm
 
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {
@@ -129,7 +130,9 @@ def kv_split_plan(num_tiles, num_sms, n_kv_blocks, causal):
     the GPU's time, but their buffers and second launch add about 25 µs of host time a call.
     A walk shorter than 32 key blocks (about 55 µs at D128) leaves the call host-bound, and
     parts made it slower: 2.2x at B1 H8 S1000 D128, 1.2-1.4x at B1 H17 S1000 and B1 H4 S2048;
-    level at 32 blocks (B1 H2 S4096).
+    level at 32 blocks (B1 H2 S4096). Measured again once ``forward_plan`` had cut the call's
+    host time by about half (same day and GPU): parts at a bound of 8 still lost, 0.64x, 0.70x
+    and 0.97x on those three rows, their buffers and launch now adding 13-20 µs.
 
     MIN_PART_BLOCKS, measured on an H100 (2026-11-27, bf16 D128, one process): 2 and 8 against 4
     within 1% on the non-causal rows of 16k tokens (S1024 to S16384; two builds with the same
@@ -1084,36 +1087,69 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
     """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    measured = default_config(D, causal, device_arch(q.device), Sk)  # raises off Hopper
-    cfg = config or measured
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0:  # no keys at all: every row is empty (out 0, lse +inf), nothing to launch
         out.zero_()
         lse.fill_(math.inf)
     elif out.numel() > 0:
-        kernel = flashattn_fwd(
-            B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, **cfg, num_sms=num_sms
+        dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+        tiles = tuple(sorted(config.items())) if config else None
+        launch = forward_plan(
+            B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype, tiles, q.device
         )
-        num_tiles = -(-Sq // cfg["block_M"]) * H * B
-        plan = kv_split_plan(num_tiles, num_sms, -(-Sk // cfg["block_N"]), bool(causal))
-        split_tiles, kv_splits = plan[1:]
-        blocks = cfg["block_M"], cfg["block_N"]
-        if counter_section(B, H, Hkv, Sq, Sk, D, bool(causal), *blocks, num_sms):
-            # The tiles from a counter, which starts at zero.
-            kernel(q, k, v, out, lse, torch.zeros(1, dtype=torch.int32, device=q.device))
-        elif kv_splits == 1:
-            kernel(q, k, v, out, lse)
-        else:  # the last round's tiles in parts, merged by a second kernel
-            n_parts = split_tiles * kv_splits
-            o_part = torch.empty(n_parts, cfg["block_M"], D, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(n_parts, cfg["block_M"], dtype=torch.float32, device=q.device)
-            kernel(q, k, v, out, lse, o_part, lse_part)
-            combine = flashattn_fwd_combine(B, H, Sq, D, bool(causal), dtype, cfg["block_M"], *plan)
-            combine(o_part, lse_part, out, lse)
+        launch(q, k, v, out, lse)
     return out, lse
+
+
+@functools.lru_cache(maxsize=256)
+def forward_plan(B, H, Hkv, Sq, Sk, D, causal, softmax_scale, dtype, config, device):
+    """``launch(q, k, v, out, lse)`` for one shape, settled on its first call: the tiles
+    (``config``: the caller's as sorted (key, value) pairs, or None for ``default_config``), the
+    device's SM count, how the tiles are dealt (``kv_split_plan``, ``counter_section``) and the
+    builds as compiled entry points (``entry``): host work that only the shape decides, which a
+    call of less GPU work than host work would otherwise pay every time."""
+    measured = default_config(D, causal, device_arch(device), Sk)  # raises off Hopper
+    cfg = dict(config) if config else measured
+    block_M, block_N = cfg["block_M"], cfg["block_N"]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    kernel = entry(
+        flashattn_fwd(B, H, Hkv, Sq, Sk, D, causal, softmax_scale, dtype, **cfg, num_sms=num_sms)
+    )
+    plan = kv_split_plan(-(-Sq // block_M) * H * B, num_sms, -(-Sk // block_N), causal)
+    split_tiles, kv_splits = plan[1:]
+    if counter_section(B, H, Hkv, Sq, Sk, D, causal, block_M, block_N, num_sms):
+
+        def launch_counted(q, k, v, out, lse):  # the tiles from a counter, which starts at zero
+            kernel(q, k, v, out, lse, torch.zeros(1, dtype=torch.int32, device=q.device))
+
+        return launch_counted
+    if kv_splits == 1:
+        return kernel
+    combine = entry(flashattn_fwd_combine(B, H, Sq, D, causal, dtype, block_M, *plan))
+    n_parts = split_tiles * kv_splits
+
+    def launch_in_parts(q, k, v, out, lse):  # the last round's tiles in parts, then merged
+        o_part = q.new_empty(n_parts, block_M, D, dtype=torch.float32)
+        lse_part = q.new_empty(n_parts, block_M, dtype=torch.float32)
+        kernel(q, k, v, out, lse, o_part, lse_part)
+        combine(o_part, lse_part, out, lse)
+
+    return launch_in_parts
+
+
+def entry(kernel):
+    """A built kernel's compiled entry point, called with every argument in order (none of these
+    kernels allocates an output). TileLang's call wrapper, which counts the arguments and builds
+    the output list, costs host time on every launch; the entry point still checks each
+    argument's shape, dtype and device."""
+    executable = getattr(kernel.adapter, "get_exportable_executable", None)
+    if executable is None:  # another execution backend: its own call
+        return kernel
+    module = executable()  # a built module, or (built in this process) one still to link
+    if isinstance(module, tvm.runtime.Executable):
+        module = module.jit()
+    return module.main
 
 
 # torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").

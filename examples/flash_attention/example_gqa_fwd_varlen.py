@@ -92,6 +92,7 @@ import einops
 import tilelang
 import tilelang.language as T
 import torch
+from tilelang import tvm
 
 LOG2E = 1.4426950408889634
 PASS_CONFIGS = {
@@ -671,15 +672,64 @@ def last_round_parts(entries, load, num_sms, min_walk=0):
 
 
 @functools.lru_cache(maxsize=64)
-def _device_tile_schedule(cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, device):
-    """``tile_schedule`` on ``device`` for one thread block per SM, and the number of part
-    slots (0: no parts), kept for the next call with the same lengths (a model's layers share
-    one batch's ``cu_seqlens``): building it costs host time and a copy to the device."""
+def forward_plan(
+    cu_seqlens_q, cu_seqlens_k, heads, heads_kv, dim, causal, softmax_scale, dtype, config, device
+):
+    """The launches every forward over one batch's lengths (``cu_seqlens_q/k`` as tuples) makes,
+    settled on its first call and kept for the next call with the same lengths (a model's layers
+    share one batch's ``cu_seqlens``): the tiles (``config``: the caller's as sorted (key, value)
+    pairs, or None for ``default_config``) and ``launch_plan``'s tile list and builds. A call of
+    less GPU work than its host work is paced by the host, which would otherwise settle all this
+    again on every call."""
+    cfg = dict(config) if config else default_config(dim, device_arch(device), causal)
+    kernel = flashattn_fwd_varlen(heads, heads_kv, dim, causal, softmax_scale, dtype, **cfg)
+    return launch_plan(kernel, cu_seqlens_q, cu_seqlens_k, heads, dim, causal, dtype, cfg, device)
+
+
+def launch_plan(kernel, cu_seqlens_q, cu_seqlens_k, heads, dim, causal, dtype, cfg, device):
+    """``launch(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)``: the forward ``kernel`` on the
+    batch's tile list (``tile_schedule`` for one thread block per SM of ``device``, copied there
+    once) and, where tiles went in parts, the combine kernel after it; without parts the kernel
+    gets one-slot stand-ins for the parts' outputs, which it never touches (made once, here).
+    Both kernels launch through their compiled entry points (``entry``)."""
+    block_M = cfg["block_M"]
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     table, combine = tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, heads, block_M, block_N, causal, num_sms
+        cu_seqlens_q, cu_seqlens_k, heads, block_M, cfg["block_N"], causal, num_sms
     )  # fmt: skip
-    return table.to(device), combine.to(device), int(combine[:, 4].sum())
+    tiles, slots, forward = table.to(device), int(combine[:, 4].sum()), entry(kernel)
+    if not slots:
+        O_part = torch.empty(1, block_M, dim, dtype=torch.float32, device=device)
+        lse_part = torch.empty(1, block_M, dtype=torch.float32, device=device)
+
+        def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse):
+            forward(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, out, lse, O_part, lse_part)
+
+        return launch
+    merge = entry(flashattn_fwd_varlen_combine(heads, dim, dtype, block_M))
+    combine = combine.to(device)
+
+    def launch_in_parts(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse):
+        O_part = q.new_empty(slots, block_M, dim, dtype=torch.float32)
+        lse_part = q.new_empty(slots, block_M, dtype=torch.float32)
+        forward(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, out, lse, O_part, lse_part)
+        merge(O_part, lse_part, combine, cu_seqlens_q, out, lse)
+
+    return launch_in_parts
+
+
+def entry(kernel):
+    """A built kernel's compiled entry point, called with every argument in order (none of these
+    kernels allocates an output). TileLang's call wrapper, which counts the arguments and builds
+    the output list, costs host time on every launch; the entry point still checks each
+    argument's shape, dtype and device."""
+    executable = getattr(kernel.adapter, "get_exportable_executable", None)
+    if executable is None:  # another execution backend: its own call
+        return kernel
+    module = executable()  # a built module, or (built in this process) one still to link
+    if isinstance(module, tvm.runtime.Executable):
+        module = module.jit()
+    return module.main
 
 
 def default_config(dim, arch="sm_90a", causal=False):
@@ -836,39 +886,20 @@ def attention_forward(
     """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
     del max_seqlen_q  # the tile list comes from the lengths themselves
     H, D = q.shape[1:]
-    cfg = config or default_config(D, device_arch(q.device), causal)
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
     out = torch.empty_like(q)
     lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
     if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
         out.zero_()
         lse.fill_(math.inf)
     elif q.shape[0] > 0:
-        Hkv = k.shape[1]
-        kernel = flashattn_fwd_varlen(H, Hkv, D, bool(causal), float(softmax_scale), dtype, **cfg)
-        schedule = _device_tile_schedule(
-            tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H,
-            cfg["block_M"], cfg["block_N"], bool(causal), q.device,
-        )  # fmt: skip
-        launch_forward(
-            kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"]
-        )
-    return out, lse
-
-
-def launch_forward(kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, block_M):
-    """Launch the forward ``kernel`` on ``schedule`` (``_device_tile_schedule``'s), and where
-    tiles went in parts, the combine kernel after it; without parts the kernel gets one-slot
-    stand-ins for the parts' outputs, which it never touches."""
-    tiles, combine, slots = schedule
-    D = q.shape[-1]
-    O_part = q.new_empty(max(1, slots), block_M, D, dtype=torch.float32)
-    lse_part = q.new_empty(max(1, slots), block_M, dtype=torch.float32)
-    kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, tiles, out, lse, O_part, lse_part)
-    if slots:
         dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
-        merge = flashattn_fwd_varlen_combine(q.shape[1], D, dtype, block_M)
-        merge(O_part, lse_part, combine, cu_seqlens_q, out, lse)
+        launch = forward_plan(
+            tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H, k.shape[1],
+            D, bool(causal), float(softmax_scale), dtype,
+            tuple(sorted(config.items())) if config else None, q.device,
+        )  # fmt: skip
+        launch(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    return out, lse
 
 
 # torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").

@@ -82,6 +82,7 @@ Run:
     python examples/flash_attention/example_mha_fwd_varlen.py --compile-only --arch sm_90a  # no GPU
 """
 
+import functools
 import math
 import numbers
 import pathlib
@@ -106,12 +107,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import example_gqa_fwd_varlen as gqa  # noqa: E402  (the GQA varlen script, beside this one)
 
 # The host side is the GQA script's, unchanged for H = Hkv: the tile list (``tile_schedule``:
-# tiles of one head run side by side, heaviest first) and its per-batch cache, the tile
-# configurations, the reads and checks of cu_seqlens' values, and main's padded test batch.
+# tiles of one head run side by side, heaviest first) and the launches over it (``launch_plan``),
+# the tile configurations, the reads and checks of cu_seqlens' values, and main's padded test
+# batch.
 tile_schedule = gqa.tile_schedule
-_device_tile_schedule = gqa._device_tile_schedule
+launch_plan = gqa.launch_plan
 flashattn_fwd_varlen_combine = gqa.flashattn_fwd_varlen_combine  # no head layout of its own
-launch_forward = gqa.launch_forward
 default_config = gqa.default_config
 tune_configs = gqa.tune_configs
 device_arch = gqa.device_arch
@@ -539,23 +540,31 @@ def attention_forward(
     """The kernel on checked, contiguous input: ``out`` and ``lse`` (what the operator runs)."""
     del max_seqlen_q  # the tile list comes from the lengths themselves
     H, D = q.shape[1:]
-    cfg = config or default_config(D, device_arch(q.device), causal)
-    dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
     out = torch.empty_like(q)
     lse = torch.empty(H, q.shape[0], dtype=torch.float32, device=q.device)
     if k.shape[0] == 0:  # no keys in any sequence: every row is empty, nothing to launch
         out.zero_()
         lse.fill_(math.inf)
     elif q.shape[0] > 0:
-        kernel = flashattn_fwd_varlen(H, D, bool(causal), float(softmax_scale), dtype, **cfg)
-        schedule = _device_tile_schedule(
-            tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H,
-            cfg["block_M"], cfg["block_N"], bool(causal), q.device,
+        dtype = "float16" if q.dtype == torch.float16 else "bfloat16"
+        launch = forward_plan(
+            tuple(_host_values(cu_seqlens_q)), tuple(_host_values(cu_seqlens_k)), H, D,
+            bool(causal), float(softmax_scale), dtype,
+            tuple(sorted(config.items())) if config else None, q.device,
         )  # fmt: skip
-        launch_forward(
-            kernel, schedule, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, cfg["block_M"]
-        )
+        launch(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
     return out, lse
+
+
+@functools.lru_cache(maxsize=64)
+def forward_plan(
+    cu_seqlens_q, cu_seqlens_k, heads, dim, causal, softmax_scale, dtype, config, device
+):
+    """The GQA script's ``forward_plan`` for this script's kernel: settled on the first call
+    over one batch's lengths and kept for the next."""
+    cfg = dict(config) if config else default_config(dim, device_arch(device), causal)
+    kernel = flashattn_fwd_varlen(heads, dim, causal, softmax_scale, dtype, **cfg)
+    return launch_plan(kernel, cu_seqlens_q, cu_seqlens_k, heads, dim, causal, dtype, cfg, device)
 
 
 # torch.compile: the kernel as a custom operator (docs/CONVENTIONS.md, "torch.compile").
