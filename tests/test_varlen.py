@@ -205,15 +205,19 @@ def test_bad_input_raises_value_error_naming_argument(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_cu_seqlens_read_once_and_rechecked_after_an_in_place_change(script):
-    """The values of a cu_seqlens tensor are read from the device once and kept on it; changing
-    the tensor in place makes the next call read and check them again. (On the CPU the call
-    gets as far as the last check, the device one.)"""
+    """The values of a cu_seqlens tensor are read from the device once and kept on it, and once
+    they passed they are not walked again for the same token count and max_seqlen; another
+    max_seqlen, or changing the tensor in place, makes the next call check them again. (On the
+    CPU the call gets as far as the last check, the device one.)"""
     mod = load_script(script)
     Hkv = 4 if script == MHA_FWD else 2
     q, k, v, _, cu_q, cu_k, max_q, max_k = make_varlen([3, 2], [4, 1], 4, Hkv, 64, torch.float16)
     with pytest.raises(ValueError, match="CUDA"):  # every other check passed
         mod.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
     assert cu_q._host_values == (cu_q._version, [0, 3, 5])
+    assert cu_q._values_passed == (cu_q._version, 5, max_q)
+    with pytest.raises(ValueError, match="max_seqlen_q .2. must be at least"):
+        mod.attention_varlen(q, k, v, cu_q, cu_k, 2, max_k)
     cu_q[1] = 6  # now decreasing: the kept values are stale and must not be trusted
     with pytest.raises(ValueError, match="non-decreasing"):
         mod.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)

@@ -118,17 +118,9 @@ def dtype_name(t):
     return "float16" if t.dtype == torch.float16 else "bfloat16"
 
 
-def _host_values(cu):
-    """``cu``'s values as a Python list. Reading them makes the host wait for the GPU, which
-    costs more than a short kernel, so they are kept on the tensor itself for its next call (a
-    model passes the same ``cu_seqlens`` to every layer); an in-place change bumps the tensor's
-    version counter and forces a fresh read."""
-    kept = getattr(cu, "_host_values", None)
-    if kept is not None and kept[0] == cu._version:
-        return kept[1]
-    values = cu.tolist()
-    cu._host_values = (cu._version, values)
-    return values
+# cu_seqlens' values read to the host once per tensor, and the checks on them: the forward's.
+_host_values = fwd._host_values
+_check_values = fwd._check_values
 
 
 def _check_inputs(
@@ -183,38 +175,6 @@ def _check_inputs(
             )
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, integer):
             raise ValueError(f"max_seqlen_{side} must be an int, got {type(max_seqlen).__name__}")
-
-
-def _check_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """The checks that need cu_seqlens' values (0 first, non-decreasing, last = its token count,
-    max_seqlen at least the longest sequence), on every call; then the device, last, so any other
-    needs no GPU. The values are read from the device once per tensor (``_host_values``)."""
-    sides = (
-        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
-    )
-    for side, cu, total, max_seqlen in sides:
-        name = f"cu_seqlens_{side}"
-        values = _host_values(cu)
-        lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        if min(lengths, default=0) < 0:
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
-            raise ValueError(
-                f"{name} must end at the token count {total} (the first dim of the packed "
-                f"tensor), got {values[-1]}"
-            )
-        name, longest = f"max_seqlen_{side}", max(lengths, default=0)
-        if max_seqlen < longest:
-            raise ValueError(
-                f"{name} ({max_seqlen}) must be at least the longest sequence, {longest}"
-            )
-    if not (q.is_cuda and q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}"
-        )
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale):
