@@ -565,42 +565,27 @@ def test_forward_and_dq_pass_plans_are_settled_once_a_shape(monkeypatch):
     shape's first call and reuse them after (a new shape or new tiles build again); a caller's
     tiles reach the build. The device is an H100 stand-in (132 SMs) and the builds are
     recorded, not compiled."""
-    import types
-
     mod = load_script(FWD)
     bwd = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
-    props = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-    monkeypatch.setattr(mod, "entry", lambda kernel: kernel)
-    built = []
-
-    def record(name):
-        def factory(*args, **kw):
-            built.append((name, args, kw))
-            return (name, args, tuple(sorted(kw.items())))
-
-        return factory
-
-    monkeypatch.setattr(mod, "flashattn_fwd", record("fwd"))
-    monkeypatch.setattr(bwd, "flashattn_bwd_dq", record("dq"))
-    monkeypatch.setattr(bwd.fast_bwd, "flash_bwd", record("dkdv"))
+    factories = (mod, "flashattn_fwd"), (bwd, "flashattn_bwd_dq"), (bwd.fast_bwd, "flash_bwd")
+    built, launches = record_launches(monkeypatch, *factories)
     plans = (mod.forward_plan, bwd.dq_pass_plan)
     for plan in plans:
         plan.cache_clear()
     try:
-        check_plans_are_settled_once_a_shape(mod, bwd, built)
+        check_plans_are_settled_once_a_shape(mod, bwd, built, launches)
     finally:  # the stand-ins' plans must not outlive the test
         for plan in plans:
             plan.cache_clear()
 
 
-def check_plans_are_settled_once_a_shape(mod, bwd, built):
+def check_plans_are_settled_once_a_shape(mod, bwd, built, launches):
     """The body of the test above, with its stand-ins in place."""
     device = torch.device("cuda", 0)
     fwd_args = (1, 8, 2, 4096, 4096, 64, (128, 0), True, True, 0.125, "bfloat16")
     first = mod.forward_plan(*fwd_args, None, device)
     assert mod.forward_plan(*fwd_args, None, device) is first
-    assert [b[0] for b in built] == ["fwd"]
+    assert [b[0] for b in built] == ["flashattn_fwd"]
     tiles = (("block_M", 64), ("block_N", 64), ("ctas_per_sm", 1), ("num_stages", 2))
     mod.forward_plan(*fwd_args, tiles + (("q_stages", 1),), device)
     assert len(built) == 2 and built[1][2]["block_M"] == 64 and built[1][2]["num_sms"] == 132
@@ -612,8 +597,10 @@ def check_plans_are_settled_once_a_shape(mod, bwd, built):
     cfg, seq_q_pad, entries = bwd.dq_pass_plan(*dq_args)
     assert bwd.dq_pass_plan(*dq_args)[2] is entries
     assert list(entries) == ["flash_bwd_dq", "flash_bwd_dkdv"]
-    assert [b[0] for b in built] == ["dq", "dkdv"]  # built once, in launch order
-    assert [e[0] for e in entries.values()] == ["dq", "dkdv"]
+    assert [b[0] for b in built] == ["flashattn_bwd_dq", "flash_bwd"]  # built once, in order
+    for launch in entries.values():  # each entry is its own build
+        launch()
+    assert [name for name, _ in launches] == ["flashattn_bwd_dq", "flash_bwd"]
     assert seq_q_pad % cfg["block_N"] == 0 and seq_q_pad >= 4096
 
 
@@ -1538,12 +1525,11 @@ def test_varlen_forward_plan_is_settled_once_a_batch(monkeypatch):
 def check_varlen_forward_plan(mod, builds, launches):
     """The body of the test above, with its stand-ins in place."""
 
+    from test_varlen import make_varlen
+
     def call(lens_q, lens_k, sinks, window):
-        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
-                      for n in (lens_q, lens_k))  # fmt: skip
-        q = torch.randn(sum(lens_q), 8, 128, dtype=torch.bfloat16)
-        k, v = (torch.randn(sum(lens_k), 2, 128, dtype=torch.bfloat16) for _ in "kv")
-        args = (q, k, v, cu_q, cu_k, max(lens_q), sinks, window, False, 0.125)
+        q, k, v, _, cu_q, cu_k, max_q, _ = make_varlen(lens_q, lens_k, 8, 2, 128, torch.bfloat16)
+        args = (q, k, v, cu_q, cu_k, max_q, sinks, window, False, 0.125)
         out, lse = mod.attention_forward(*args)
         return (q, k, v, cu_q, cu_k, sinks, out, lse), launches[-1]
 

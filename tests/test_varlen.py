@@ -466,11 +466,8 @@ def check_forward_plan(mod, builds, launches):
     """The body of the test above, with its stand-ins in place."""
 
     def call(lens_q, lens_k, H):
-        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
-                      for n in (lens_q, lens_k))  # fmt: skip
-        q = torch.randn(sum(lens_q), H, 128, dtype=torch.bfloat16)
-        k, v = (torch.randn(sum(lens_k), H, 128, dtype=torch.bfloat16) for _ in "kv")
-        out, lse = mod.attention_forward(q, k, v, cu_q, cu_k, max(lens_q), False, 0.125)
+        q, k, v, _, cu_q, cu_k, max_q, _ = make_varlen(lens_q, lens_k, H, H, 128, torch.bfloat16)
+        out, lse = mod.attention_forward(q, k, v, cu_q, cu_k, max_q, False, 0.125)
         return (q, k, v, cu_q, cu_k, out, lse), launches[-1]
 
     # 2 x 1000, H8: 128 tiles, one round of 128 thread blocks, whole
