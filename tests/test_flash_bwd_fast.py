@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import load_script, rel_err
+from helpers import load_script, record_launches, rel_err
 
 FAST = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
 SMEM_LIMIT = 232448  # bytes of shared memory one thread block may use on an H100
@@ -723,6 +723,74 @@ def test_empty_input_reads_shapes_by_layout(layout):
     dq, dk, dv, delta = mod.run_backward(q, q, k, k, q, None, False, 0.125, layout=layout)
     assert (dq.shape, dk.shape, dv.shape, delta.shape) == (q.shape, k.shape, k.shape, (2, 8, 0))
     assert not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_plan_is_settled_once_a_shape(causal, monkeypatch):
+    """run_backward's plan (``backward_plan``): a shape's first call builds the kernels
+    ``backward_kernels`` names, later calls of the shape only launch them, prep first and the dQ
+    post last, dQ written where the call returns it; a caller's tiles build again. The kernels
+    are recorded stand-ins on CPU tensors, the device an H100's."""
+    mod = load_script(FAST)
+    names = ("flash_bwd_prep", "flash_bwd", "flash_bwd_post", "flash_bwd_post_kv")
+    builds, launches = record_launches(monkeypatch, *((mod, name) for name in names))
+    monkeypatch.setattr(mod.fwd, "entry", lambda kernel: kernel)
+    mod.backward_plan.cache_clear()
+    try:
+        check_backward_plan(mod, causal, builds, launches)
+    finally:  # the stand-ins' plans must not outlive the test
+        mod.backward_plan.cache_clear()
+
+
+def check_backward_plan(mod, causal, builds, launches):
+    """The body of the test above, with its stand-ins in place."""
+    q, k, v = (torch.randn(1, 1000, 8, 64, dtype=torch.bfloat16) for _ in "qkv")
+    lse = torch.randn(1, 8, 1000)
+    cfg = mod.grid_config(64, 1, 8, 8, 1000, causal, (-1, -1), "cpu")
+    expected = mod.backward_kernels(1000, 1000, 64, causal, 0.125, "bfloat16", cfg)
+    for _ in range(2):
+        dq, dk, dv, delta = mod.run_backward(q, q, k, v, q, lse, causal, 0.125)
+        # built on the first call only, with the grid's default tiles, after (batch, heads)
+        assert [(b[1], b[2]) for b in builds] == [
+            ((1, 8, *a), kw) for _, a, kw in expected.values()
+        ]
+        ran = launches[-len(expected) :]
+        assert ran[0][0] == "flash_bwd_prep" and ran[-1][0] == "flash_bwd_post"
+        assert ran[-1][1][1] is dq and ran[0][1][3] is delta
+        assert ran[0][1][0] is q and ran[0][1][2] is lse  # out (q here) and the forward's lse
+    mod.run_backward(q, q, k, v, q, lse, causal, 0.125, config={**cfg, "num_stages": 1})
+    assert len(builds) == 2 * len(expected)
+
+
+def test_varlen_backward_plan_is_settled_once(monkeypatch):
+    """run_backward_varlen's plan (``varlen_backward_plan``): the first call builds the prep, the
+    packed backward and the post, later calls (another batch too: the kernels take any) only
+    launch them in that order, dQ written where the call returns it. Recorded stand-ins on CPU
+    tensors, the device an H100's."""
+    from test_varlen import make_varlen
+
+    mod = load_script(FAST)
+    names = ("flash_bwd_prep", "flash_bwd", "flash_bwd_post")
+    builds, launches = record_launches(monkeypatch, *((mod, name) for name in names))
+    monkeypatch.setattr(mod.fwd, "entry", lambda kernel: kernel)
+    mod.varlen_backward_plan.cache_clear()
+    try:
+        for lengths in ([300, 17], [300, 17], [5, 1000, 64]):
+            q, k, v, out, cu, _, _, _ = make_varlen(lengths, lengths, 8, 8, 64, torch.bfloat16)
+            lse = torch.randn(8, cu[-1])
+            grads = mod.run_backward_varlen(
+                out, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), True, 0.125
+            )  # fmt: skip
+            assert [b[0] for b in builds] == list(names)  # built on the first call only
+            (prep, ran_prep), (bwd, ran_bwd), (post, ran_post) = launches[-3:]
+            assert (prep, bwd, post) == names
+            assert all(a is b for a, b in zip(ran_prep[:4], (out, out, lse, cu), strict=True))
+            assert ran_prep[4] == max(lengths)  # max_seqlen_q
+            assert all(a is b for a, b in zip(ran_bwd[:3], (q, k, v), strict=True))
+            assert ran_bwd[-2] is grads[1] and ran_bwd[-1] is grads[2]  # dk, dv
+            assert ran_post[-1] is grads[0] and ran_post[0] is ran_prep[-1]  # dQ's float32 tiles
+    finally:  # the stand-ins' plans must not outlive the test
+        mod.varlen_backward_plan.cache_clear()
 
 
 # ----------------------------------------------------------------------------- CPU: packed mode

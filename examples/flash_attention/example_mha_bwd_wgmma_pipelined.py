@@ -2118,11 +2118,11 @@ def run_backward(
     if q.numel() == 0 or k.numel() == 0:  # an empty sum: every gradient is 0
         delta = torch.zeros(B, H, Sq, dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), delta
-    dtype = dtype_name(q)
-    cfg = config
-    if not cfg:  # the default, for this grid
-        cfg = grid_config(D, B, H, Hkv, Sk, causal, window, q.device)
-    seq_q_pad = padded_len(Sq, cfg["block_N"])
+    config = tuple(sorted(config.items())) if config else None
+    cfg, seq_q_pad, tail, entries = backward_plan(
+        B, H, Hkv, Sq, Sk, D, bool(causal), float(softmax_scale), dtype_name(q), config,
+        tuple(window), layout, q.device,
+    )  # fmt: skip
     dout = dout.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
     lse2 = torch.empty(B, H, seq_q_pad, dtype=torch.float32, device=q.device)
@@ -2137,25 +2137,15 @@ def run_backward(
         dk_parts = torch.empty(splits, *k.shape, dtype=torch.float32, device=q.device)
         dv_parts = torch.empty(splits, *v.shape, dtype=torch.float32, device=q.device)
     dk_out, dv_out = (dk, dv) if splits == 1 else (dk_parts, dv_parts)  # the kernel's
-    tail = None
-    plain = not causal and tuple(window) == (-1, -1)
-    if plain and cfg.get("head_splits", 1) == 1 and cfg.get("interleave", 1) == 1:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        n_thread_blocks = -(-Sk // cfg["block_M"]) * Hkv * B
-        plan = tail_split_plan(n_thread_blocks, num_sms, n_blocks, groups=H // Hkv)
-        tail = (num_sms, *plan) if plan[2] > 1 else None
-    kernels = backward_kernels(
-        Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout, tail
-    )
     dk_part = dv_part = None
     flash_bwd_tensors = (q, k, v, dout, lse2, delta, dq_accum, dk_out, dv_out)
-    if "flash_bwd_post_tail" in kernels:  # the split walks' float32 dK, dV parts
+    if "flash_bwd_post_tail" in entries:  # the split walks' float32 dK, dV parts
         n_parts = tail[2] * tail[3]
         dk_part = torch.empty(n_parts, cfg["block_M"], D, dtype=torch.float32, device=q.device)
         dv_part = torch.empty_like(dk_part)
         flash_bwd_tensors += (dk_part, dv_part)
     ready = None
-    if "flash_bwd_ordered" in kernels:  # ordered_store's flags, one per dQ tile
+    if "flash_bwd_ordered" in entries:  # ordered_store's flags, one per dQ tile
         ready = torch.zeros(B, H, n_blocks, dtype=torch.int32, device=q.device)
     launches = {
         "flash_bwd_prep": (out, dout, lse, delta, lse2, dq_accum.view(B, H, -1)),
@@ -2167,10 +2157,39 @@ def run_backward(
         "flash_bwd_post_tail": (dk_part, dv_part, dk, dv),
     }
     for name, tensors in launches.items():  # in this order; flash_bwd_store only if chosen
-        if name in kernels:
-            factory, args, kw = kernels[name]
-            factory(B, H, *args, **kw)(*tensors)
+        if name in entries:
+            entries[name](*tensors)
     return dq, dk, dv, delta
+
+
+@functools.lru_cache(maxsize=256)
+def backward_plan(B, H, Hkv, Sq, Sk, D, causal, softmax_scale, dtype, config, window, layout,
+                  device):  # fmt: skip
+    """What every backward of one shape launches, settled on its first call: ``(cfg, seq_q_pad,
+    tail, entries)`` — the tiles (``config``: the caller's as sorted (key, value) pairs, or None
+    for ``grid_config``'s), the query length padded to whole blocks, the plain launch's last
+    wave in parts (``tail_split_plan``, or None) and the kernels of ``backward_kernels`` as
+    compiled entry points (example_mha_fwd_bshd.py's ``entry``), by name. Host work that only
+    the shape decides, which a training step of small shapes would otherwise pay every time
+    (docs/CONVENTIONS.md, "Eager calls")."""
+    cfg = dict(config) if config else grid_config(D, B, H, Hkv, Sk, causal, window, device)
+    seq_q_pad = padded_len(Sq, cfg["block_N"])
+    tail = None
+    plain = not causal and window == (-1, -1)
+    if plain and cfg.get("head_splits", 1) == 1 and cfg.get("interleave", 1) == 1:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        n_thread_blocks = -(-Sk // cfg["block_M"]) * Hkv * B
+        plan = tail_split_plan(
+            n_thread_blocks, num_sms, seq_q_pad // cfg["block_N"], groups=H // Hkv
+        )
+        tail = (num_sms, *plan) if plan[2] > 1 else None
+    kernels = backward_kernels(
+        Sq, Sk, D, causal, softmax_scale, dtype, cfg, H // Hkv, window, layout, tail
+    )
+    entries = {
+        name: fwd.entry(factory(B, H, *args, **kw)) for name, (factory, args, kw) in kernels.items()
+    }
+    return cfg, seq_q_pad, tail, entries
 
 
 def sequence_order(cu_seqlens_q, cu_seqlens_k, causal, block_M, block_N):
@@ -2210,8 +2229,10 @@ def run_backward_varlen(
     (total_q, H, D), (total_k, Hkv, _) = q.shape, k.shape
     if total_q == 0 or total_k == 0:  # nothing attends to anything: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dtype = dtype_name(q)
-    cfg = config or default_config(D, fwd.device_arch(q.device))
+    config = tuple(sorted(config.items())) if config else None
+    cfg, (prep, kernel, post) = varlen_backward_plan(
+        H, Hkv, D, bool(causal), float(softmax_scale), dtype_name(q), config, q.device
+    )
     block_N = cfg["block_N"]
     batch = cu_seqlens_q.shape[0] - 1
     n_tiles = tile_start(total_q, batch, block_N)  # every sequence's query tiles (tile_start)
@@ -2223,23 +2244,34 @@ def run_backward_varlen(
     # dQ tiles, float32, one per query tile: a sum of reduce-adds, zeroed by the prep (every
     # sequence's tiles; the tiles between sequences are never read).
     dq_accum = torch.empty(n_tiles, H, D * block_N, dtype=torch.float32, device=q.device)
-    prep = flash_bwd_prep(None, H, None, None, D, dtype, block_N, "thd")
     prep(out, dout, lse, cu_seqlens_q, max_seqlen_q, delta, lse2, dq_accum)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if seq_order is None:
         seq_order = torch.arange(batch, dtype=torch.int32, device=q.device)
-    kernel = flash_bwd(
-        None, H, None, None, D, causal, softmax_scale, dtype, **cfg, groups=H // Hkv,
-        layout="thd",
-    )  # fmt: skip
     kernel(
         q, k, v, dout, lse2, delta, cu_seqlens_q, cu_seqlens_k, seq_order, max_seqlen_k, dq_accum,
         dk, dv,
     )  # fmt: skip
     dq = torch.empty_like(q)
-    post = flash_bwd_post(None, H, None, None, D, softmax_scale, dtype, block_N, "thd")
     post(dq_accum, cu_seqlens_q, max_seqlen_q, dq)
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=64)
+def varlen_backward_plan(heads, heads_kv, dim, causal, softmax_scale, dtype, config, device):
+    """``run_backward_varlen``'s tiles (``config``: the caller's as sorted (key, value) pairs, or
+    None for ``default_config``) and its three kernels (prep, backward, post) as compiled entry
+    points, settled on the first call: the packed kernels take every batch (their lengths are
+    dynamic), so only the heads, head dim, mask, scale, dtype and tiles pick them."""
+    cfg = dict(config) if config else default_config(dim, fwd.device_arch(device))
+    block_N = cfg["block_N"]
+    prep = flash_bwd_prep(None, heads, None, None, dim, dtype, block_N, "thd")
+    kernel = flash_bwd(
+        None, heads, None, None, dim, causal, softmax_scale, dtype, **cfg,
+        groups=heads // heads_kv, layout="thd",
+    )  # fmt: skip
+    post = flash_bwd_post(None, heads, None, None, dim, softmax_scale, dtype, block_N, "thd")
+    return cfg, tuple(fwd.entry(k) for k in (prep, kernel, post))
 
 
 # torch.compile: the kernels as custom operators (docs/CONVENTIONS.md, "torch.compile"), as in
