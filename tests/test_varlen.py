@@ -616,10 +616,12 @@ FORWARD_BUILDS = [
 def test_forward_spills_nothing_and_fits(script, dim, causal):
     """Default tiles: ptxas spills nothing, no stack, no serialized WGMMA; the consumers'
     setmaxnreg rise is covered by the producer's drop (or they would wait forever: a deadlock);
-    shared memory fits an H100 thread block. Three consumer warpgroups (192 rows) take turns
-    at their GEMM issues (the first S, the loop's S and P V, the last P V; without causal the
-    loop is two, the unmasked blocks and the ragged last one), each between a wait on its own
-    named barrier and an arrival on the next one's; two take none."""
+    shared memory fits an H100 thread block. A tile's key blocks after its first run in two
+    loops, those without a mask and then the masked ones (the causal diagonal, or the ragged
+    last block), causal or not: S = Q Kᵀ is issued three times in the code (the first block,
+    each loop) and P V three times (each loop, the last). Three consumer warpgroups (192 rows)
+    take turns at those four issue points, each between a wait on its own named barrier and an
+    arrival on the next one's; two take none."""
     from test_flash_bwd_fast import assert_clean_build
 
     kernel = forward_kernel(script, dim, causal, "bfloat16")
@@ -629,8 +631,8 @@ def test_forward_spills_nothing_and_fits(script, dim, causal):
     assert_clean_build(kernel, threads, 24, consumer_regs)
     waits = src.count("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 9), 256);")
     passes = src.count("__named_barrier_arrive(((((((int)threadIdx.x) >> 7) + 1) % 3) + 9), 256);")
-    issues = 3 if causal else 4
-    assert waits == passes == (issues if threads == 3 * 128 + 128 else 0), (waits, passes)
+    assert src.count("tl::wgmma_ss<") == src.count("tl::wgmma_rs<") == 3
+    assert waits == passes == (4 if threads == 3 * 128 + 128 else 0), (waits, passes)
     assert src.count("__named_barrier_arrive(9, 256);") == (waits > 0)
 
 

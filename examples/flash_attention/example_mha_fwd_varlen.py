@@ -435,27 +435,21 @@ def flashattn_fwd_varlen(
                         )  # fmt: skip
                         T.copy(acc_s, acc_s_cast)  # P in 16 bits: the A operand of P V
 
-                        # The other key blocks. Without causal only the ragged last block needs a
-                        # mask: the blocks before it run in a loop of their own, with no mask
-                        # test inside. Causal keeps one loop, each block testing k >= first_masked
-                        # (two loops measured slower there: a short sequence's tile has few
-                        # unmasked blocks to gain on). Block k is the (k - first)-th of the tile
-                        # in the K/V stream.
+                        # The other key blocks in two loops, so that neither tests for the mask
+                        # inside: those before the first masked one (the causal diagonal, or
+                        # without causal the ragged last block), then the masked ones. A part may
+                        # end before the first masked block. Block k is the (k - first)-th of the
+                        # tile in the K/V stream.
                         step_args = (
                             kv_count - first, seq_len_k, diagonal, Q_shared, K_shared, V_shared,
                             acc_s, acc_s_cast, acc_o, scores_max, scores_max_prev, scores_scale,
                             scores_sum, logsum, k_full, v_full, k_empty, v_empty,
                         )  # fmt: skip
-                        if causal:
-                            for k in T.serial(first + 1, end):
-                                key_step(k, k >= first_masked, *step_args)
-                        else:
-                            # (a part may end before the first masked block)
-                            unmasked_end = T.max(first + 1, T.min(first_masked, end))
-                            for k in T.serial(first + 1, unmasked_end):
-                                key_step(k, False, *step_args)
-                            for k in T.serial(unmasked_end, end):
-                                key_step(k, True, *step_args)
+                        unmasked_end = T.max(first + 1, T.min(first_masked, end))
+                        for k in T.serial(first + 1, unmasked_end):
+                            key_step(k, False, *step_args)
+                        for k in T.serial(unmasked_end, end):
+                            key_step(k, True, *step_args)
                         # Every Q Kᵀ of this tile is done: the producer may load the next Q.
                         T.barrier_arrive(q_empty)
 
