@@ -1,6 +1,7 @@
 """Loading the example scripts by path (their names repeat across folders), and checks of their
 generated code that several test files share."""
 
+import contextlib
 import importlib.util
 import pathlib
 import sys
@@ -66,3 +67,16 @@ def record_launches(monkeypatch, *factories):
         if hasattr(module, "entry"):
             monkeypatch.setattr(module, "entry", lambda kernel: kernel)
     return builds, launches
+
+
+@contextlib.contextmanager
+def fresh_plans(*plans):
+    """The scripts' ``functools.lru_cache`` plans emptied before the block and after it: a plan
+    built from a test's stand-ins, or under its patched constants, must not outlive the test."""
+    for plan in plans:
+        plan.cache_clear()
+    try:
+        yield
+    finally:
+        for plan in plans:
+            plan.cache_clear()

@@ -11,7 +11,14 @@ import sys
 
 import pytest
 import torch
-from helpers import EXAMPLES, assert_one_producer_warp, load_script, record_launches, rel_err
+from helpers import (
+    EXAMPLES,
+    assert_one_producer_warp,
+    fresh_plans,
+    load_script,
+    record_launches,
+    rel_err,
+)
 
 FWD = "attention_sink/example_gqa_sink_fwd_bhsd.py"
 FAST_BWD = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
@@ -569,14 +576,8 @@ def test_forward_and_dq_pass_plans_are_settled_once_a_shape(monkeypatch):
     bwd = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
     factories = (mod, "flashattn_fwd"), (bwd, "flashattn_bwd_dq"), (bwd.fast_bwd, "flash_bwd")
     built, launches = record_launches(monkeypatch, *factories)
-    plans = (mod.forward_plan, bwd.dq_pass_plan)
-    for plan in plans:
-        plan.cache_clear()
-    try:
+    with fresh_plans(mod.forward_plan, bwd.dq_pass_plan):
         check_plans_are_settled_once_a_shape(mod, bwd, built, launches)
-    finally:  # the stand-ins' plans must not outlive the test
-        for plan in plans:
-            plan.cache_clear()
 
 
 def check_plans_are_settled_once_a_shape(mod, bwd, built, launches):
@@ -1515,11 +1516,8 @@ def test_varlen_forward_plan_is_settled_once_a_batch(monkeypatch):
     mod = load_script(VARLEN)
     factories = (mod, "flashattn_fwd_varlen"), (mod, "flashattn_fwd_varlen_combine")
     builds, launches = record_launches(monkeypatch, *factories)
-    mod.forward_plan.cache_clear()
-    try:
+    with fresh_plans(mod.forward_plan):
         check_varlen_forward_plan(mod, builds, launches)
-    finally:  # the stand-ins' plans must not outlive the test
-        mod.forward_plan.cache_clear()
 
 
 def check_varlen_forward_plan(mod, builds, launches):

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import load_script, record_launches, rel_err
+from helpers import fresh_plans, load_script, record_launches, rel_err
 
 FAST = "flash_attention/example_mha_bwd_wgmma_pipelined.py"
 SMEM_LIMIT = 232448  # bytes of shared memory one thread block may use on an H100
@@ -735,11 +735,8 @@ def test_backward_plan_is_settled_once_a_shape(causal, monkeypatch):
     names = ("flash_bwd_prep", "flash_bwd", "flash_bwd_post", "flash_bwd_post_kv")
     builds, launches = record_launches(monkeypatch, *((mod, name) for name in names))
     monkeypatch.setattr(mod.fwd, "entry", lambda kernel: kernel)
-    mod.backward_plan.cache_clear()
-    try:
+    with fresh_plans(mod.backward_plan):
         check_backward_plan(mod, causal, builds, launches)
-    finally:  # the stand-ins' plans must not outlive the test
-        mod.backward_plan.cache_clear()
 
 
 def check_backward_plan(mod, causal, builds, launches):
@@ -773,8 +770,7 @@ def test_varlen_backward_plan_is_settled_once(monkeypatch):
     names = ("flash_bwd_prep", "flash_bwd", "flash_bwd_post")
     builds, launches = record_launches(monkeypatch, *((mod, name) for name in names))
     monkeypatch.setattr(mod.fwd, "entry", lambda kernel: kernel)
-    mod.varlen_backward_plan.cache_clear()
-    try:
+    with fresh_plans(mod.varlen_backward_plan):
         for lengths in ([300, 17], [300, 17], [5, 1000, 64]):
             q, k, v, out, cu, _, _, _ = make_varlen(lengths, lengths, 8, 8, 64, torch.bfloat16)
             lse = torch.randn(8, cu[-1])
@@ -789,8 +785,6 @@ def test_varlen_backward_plan_is_settled_once(monkeypatch):
             assert all(a is b for a, b in zip(ran_bwd[:3], (q, k, v), strict=True))
             assert ran_bwd[-2] is grads[1] and ran_bwd[-1] is grads[2]  # dk, dv
             assert ran_post[-1] is grads[0] and ran_post[0] is ran_prep[-1]  # dQ's float32 tiles
-    finally:  # the stand-ins' plans must not outlive the test
-        mod.varlen_backward_plan.cache_clear()
 
 
 # ----------------------------------------------------------------------------- CPU: packed mode

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_script
+from helpers import fresh_plans, load_script
 
 GQA_BWD = "flash_attention/example_gqa_bwd.py"
 TMA_BWD = "flash_attention/example_gqa_bwd_tma_reduce.py"
@@ -406,12 +406,9 @@ def test_wide_tail_gradients(monkeypatch, poisoned_empty):
     monkeypatch.setattr(mod.fast_bwd, "backward_kernels", kernels_of_the_run)
     q, k, v, dout = make_inputs(1, 2100, 2100, 52, 13, 128, 128, torch.bfloat16, "cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    mod.fast_bwd.backward_plan.cache_clear()  # a plan made before LONG_WALK changed is stale
-    try:
+    with fresh_plans(mod.fast_bwd.backward_plan):  # a plan made before LONG_WALK changed is stale
         out = run_attention(mod, "group", q, k, v, causal=False)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    finally:  # nor may this one outlive the test
-        mod.fast_bwd.backward_plan.cache_clear()
     assert built and all("flash_bwd_post_tail" in names for names in built), built
     ref = mod.reference_grads(q, k, v, dout, False, 1 / math.sqrt(128))
     assert rel_err(out, ref[0]) < 1e-2

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_one_producer_warp, load_script, record_launches
+from helpers import assert_one_producer_warp, fresh_plans, load_script, record_launches
 
 BSHD = "flash_attention/example_mha_fwd_bshd.py"
 BHSD = "flash_attention/example_mha_fwd_bhsd.py"
@@ -660,11 +660,8 @@ def test_forward_plan_is_settled_once_a_shape(script, monkeypatch):
     mod = load_script(script)
     factories = (mod, "flashattn_fwd"), (mod, "flashattn_fwd_combine")
     builds, launches = record_launches(monkeypatch, *factories)
-    mod.forward_plan.cache_clear()
-    try:
+    with fresh_plans(mod.forward_plan):
         check_forward_plan(script, mod, builds, launches)
-    finally:  # the stand-ins' plans must not outlive the test
-        mod.forward_plan.cache_clear()
 
 
 def check_forward_plan(script, mod, builds, launches):

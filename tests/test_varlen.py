@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from helpers import ROOT, assert_one_producer_warp, load_script, record_launches
+from helpers import ROOT, assert_one_producer_warp, fresh_plans, load_script, record_launches
 
 import bert_padding as bp
 
@@ -455,11 +455,8 @@ def test_forward_plan_is_settled_once_a_batch(script, monkeypatch):
     mod, gqa = load_script(script), load_script(GQA_FWD)  # the combine: the GQA script's
     factories = (mod, "flashattn_fwd_varlen"), (gqa, "flashattn_fwd_varlen_combine")
     builds, launches = record_launches(monkeypatch, *factories)
-    mod.forward_plan.cache_clear()
-    try:
+    with fresh_plans(mod.forward_plan):
         check_forward_plan(mod, builds, launches)
-    finally:  # the stand-ins' plans must not outlive the test
-        mod.forward_plan.cache_clear()
 
 
 def check_forward_plan(mod, builds, launches):
