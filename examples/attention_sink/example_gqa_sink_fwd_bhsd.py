@@ -418,10 +418,10 @@ def flashattn_fwd(
         # as safe, but would also make l > 0 for a row that sees no key; here l = 0 still says
         # "no visible key" (O = 0, lse = +inf), and the key loop is the dense kernel's.
         # The tile's rows below Sq, counted in a local: written as m_blk * block_M + i < seq_q,
-        # TileLang 0.1.15 folds the bound into the thread index on some lengths (D=128, causal,
-        # a last query block partial among 32, from the tile counter: Sq = 4000) and its
+        # TileLang 0.1.15 folds the bound into the thread index on some shapes and its
         # ThreadSync pass then rejects the build ("a required shared-memory sync inside a
-        # divergent region").
+        # divergent region"): D=128 causal Sq = 4000 (a last query block partial among 32,
+        # from the tile counter), and the two-thread-block tiles on some ragged D=64 shapes.
         rows_left = T.alloc_local([1], "int32")
         rows_left[0] = seq_q - m_blk * block_M
         for i in T.Parallel(block_M):
