@@ -417,6 +417,13 @@ def flashattn_fwd(
         # -inf adds exp2(-inf) = 0, no sink). Starting the loop with m = sink and l = 1 would be
         # as safe, but would also make l > 0 for a row that sees no key; here l = 0 still says
         # "no visible key" (O = 0, lse = +inf), and the key loop is the dense kernel's.
+        # The tile's rows below Sq, counted in a local: written as m_blk * block_M + i < seq_q,
+        # TileLang 0.1.15 folds the bound into the thread index on some shapes and its
+        # ThreadSync pass then rejects the build ("a required shared-memory sync inside a
+        # divergent region"): D=128 causal Sq = 4000 (a last query block partial among 32,
+        # from the tile counter), and the two-thread-block tiles on some ragged D=64 shapes.
+        rows_left = T.alloc_local([1], "int32")
+        rows_left[0] = seq_q - m_blk * block_M
         for i in T.Parallel(block_M):
             m = scores_max[i] * scale
             if has_sinks:
@@ -433,7 +440,7 @@ def flashattn_fwd(
                 row_lse = T.if_then_else(
                     logsum[i] > 0, (T.log2(logsum[i]) + m) / LOG2E, T.infinity(accum_dtype)
                 )
-            if m_blk * block_M + i < seq_q:
+            if i < rows_left[0]:  # rows past Sq are not written
                 lse[bz, by, m_blk * block_M + i] = row_lse
 
     @T.macro
@@ -972,10 +979,11 @@ _REJECTED = set()  # the kernel arguments whose two-thread-block default TileLan
 
 def build_with_fallback(build, cfg, single, key):
     """``build(cfg)``; if TileLang 0.1.15's ThreadSync pass rejects ``cfg``'s two-thread-block
-    tiles ("Cannot lower a required shared-memory sync inside a divergent region", a few
-    shapes, e.g. D=64, Sq=500, Sk=700, window (128, 0), or D=128, Sq=Sk=4096, window (64, 64)),
-    ``build(single)`` instead, the one-thread-block tiles. The rejection is
-    remembered (``key``: the kernel's arguments), so it is paid once, not at every call."""
+    tiles ("Cannot lower a required shared-memory sync inside a divergent region"),
+    ``build(single)`` instead, the one-thread-block tiles. The rejection is remembered
+    (``key``: the kernel's arguments), so it is paid once, not at every call. The shapes once
+    rejected (e.g. D=64, Sq=500, Sk=700, window (128, 0)) build since ``row_factors`` holds its
+    row bound in a local; this stays for shapes not tried."""
     if key not in _REJECTED:
         try:
             return build(cfg)
