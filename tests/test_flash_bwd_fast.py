@@ -1013,6 +1013,36 @@ def test_tail_split_builds_clean(B, H, groups, splits):
     harness.compile_for(fn, "sm_90a", B, H, *args, **kw)
 
 
+@pytest.mark.parametrize(
+    "B, seq, dim, with_tail",
+    # D = 128: 63 query blocks of 64 (Sq 4000 and 4032), 47 (Sq 3000); B4 H32 S4000: the last
+    # wave of 4096 walks in 7 parts
+    [(4, 4000, 128, True), (4, 4032, 128, False), (4, 3000, 128, False)],
+    ids=["S4000-parts", "S4032", "S3000"],
+)
+def test_odd_step_counts_build_clean(B, seq, dim, with_tail):
+    """Without a mask, a walk of an odd step count known at compile time (63 or 47 query blocks)
+    reads its count of turns through a warp shuffle: given the count, ptxas spilled 88-204
+    bytes. Walks of an even count keep it a constant."""
+    import harness
+
+    mod = load_script(FAST)
+    cfg = mod.default_config(dim)
+    n_q_blocks = -(-seq // cfg["block_N"])
+    tail = None
+    if with_tail:
+        n_thread_blocks = -(-seq // cfg["block_M"]) * 32 * B
+        tail = (132, *mod.tail_split_plan(n_thread_blocks, 132, n_q_blocks))
+        assert tail[3] == 7
+    kernels = mod.backward_kernels(
+        seq, seq, dim, False, dim**-0.5, "bfloat16", cfg, 1, tail=tail
+    )  # fmt: skip
+    fn, args, kw = kernels["flash_bwd"]
+    kernel = harness.compile_for(fn, "sm_90a", B, 32, *args, **kw)
+    assert_clean_build(kernel)
+    assert n_q_blocks % 2 == 1 and "__shfl_sync" in kernel.get_kernel_source()
+
+
 def _case_id(case):
     B, Sq, Sk, H, D, causal, dtype, scale = case
     dt = "f16" if dtype == torch.float16 else "bf16"

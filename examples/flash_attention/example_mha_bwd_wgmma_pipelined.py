@@ -1211,8 +1211,15 @@ def flash_bwd(
             # The same turns, two steps a turn of the loop, so that each call's role is a
             # constant: the branch on the step measured 2-10% slower at D = 128
             # (benchmarks/results/bwd_schedule_trials.md, last sections).
+            turns = n_steps // 2
+            if most_steps % 2 == 1 and (isinstance(n_steps, int) or part is not None):
+                # Walks of an odd step count known at compile time (no diagonal, no window;
+                # e.g. Sq = 4000, 63 steps, whole or, with parts, the whole walks): given the
+                # count, ptxas spilled 88-204 bytes at D = 128. Read through a warp shuffle,
+                # which makes it no constant, it spills nothing, as with a causal walk's count.
+                turns = T.shfl_sync(T.int32(turns), 0)
             if may_run(n_steps // 2, most_steps // 2):
-                for i2 in T.serial(n_steps // 2):
+                for i2 in T.serial(turns):
                     walk_step(*walk, 2 * i2, wg == 0)
                     walk_step(*walk, 2 * i2 + 1, wg == 1)
             # An even number of walked heads makes n_steps even (stated here: TileLang 0.1.15
