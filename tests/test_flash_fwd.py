@@ -537,8 +537,9 @@ def test_d64_warpgroups_take_turns(script):
 
 
 def test_ragged_keys_without_parts_keep_sk_constant():
-    """Without parts (B2 H32 S3000: 1536 tiles, no split) Sk stays a constant, so nvcc skips the
-    exponentials of the last block's masked columns, and the WGMMAs stay asynchronous."""
+    """Without parts and with one Q slot (B2 H32 S3000: 1536 tiles of 24 key blocks, no split) Sk
+    stays a constant, so nvcc skips the exponentials of the last block's masked columns, and the
+    WGMMAs stay asynchronous."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
@@ -550,6 +551,28 @@ def test_ragged_keys_without_parts_keep_sk_constant():
     src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
     assert not re.search(r"__shfl_sync\([^;]*\b3000\b", src)
     assert "Potential Performance Loss" not in ptxas_report(src)
+
+
+@pytest.mark.parametrize("dim,seq_k", [(64, 777), (128, 1500)])
+def test_short_ragged_keys_without_parts_keep_the_wgmma_pipeline(dim, seq_k):
+    """Short tiles (B2 H32 Sq1000, at most ``CROSS_TILE_BLOCKS`` key blocks, no split) hold Q in
+    two slots; with a constant Sk ptxas serialised every WGMMA of those builds (C7511). There Sk
+    reaches the mask through a warp shuffle, and the build keeps its WGMMAs asynchronous and
+    spills nothing."""
+    from test_flash_bwd_fast import ptxas_report
+
+    import harness
+
+    mod = load_script(BSHD)
+    cfg = mod.default_config(dim, False, "sm_90a", seq_k)
+    n_tiles = -(-1000 // cfg["block_M"]) * 32 * 2
+    assert mod.kv_split_plan(n_tiles, 132, -(-seq_k // cfg["block_N"]), False)[2] == 1
+    args = (2, 32, 1000, seq_k, dim, False, dim**-0.5, "bfloat16")
+    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
+    assert re.search(rf"__shfl_sync\([^;]*\b{seq_k}\b", src)
+    report = ptxas_report(src)
+    assert "Potential Performance Loss" not in report, report
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -386,9 +386,10 @@ def flashattn_fwd(
         # Sk for the mask. Where keys are ragged, a constant Sk lets nvcc prove whole 16-column
         # slices of P zero in a masked block whose index is known too (a whole tile's last
         # block without causal), and skip their exponentials; but in a kernel that also walks
-        # tiles in parts, ptxas then serialises every WGMMA of the kernel (warning C7511).
-        # There Sk is read through a warp shuffle, which makes it no constant to either.
-        if seq_kv % block_N == 0 or kv_splits == 1:
+        # tiles in parts, or holds Q in two slots (short tiles), ptxas then serialises every
+        # WGMMA of the kernel (warning C7511). There Sk is read through a warp shuffle, which
+        # makes it no constant to either.
+        if seq_kv % block_N == 0 or (kv_splits == 1 and q_slots == 1):
             return seq_kv
         return T.alloc_var("int32", init=T.shfl_sync(T.int32(seq_kv), 0))
 
