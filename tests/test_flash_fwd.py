@@ -536,40 +536,28 @@ def test_d64_warpgroups_take_turns(script):
         assert "Potential Performance Loss" not in report, report
 
 
-def test_ragged_keys_without_parts_keep_sk_constant():
-    """Without parts and with one Q slot (B2 H32 S3000: 1536 tiles of 24 key blocks, no split) Sk
-    stays a constant, so nvcc skips the exponentials of the last block's masked columns, and the
-    WGMMAs stay asynchronous."""
-    from test_flash_bwd_fast import ptxas_report
-
-    import harness
-
-    mod = load_script(BSHD)
-    cfg = mod.default_config(128, False, "sm_90a", 3000)
-    assert mod.kv_split_plan(1536, 132, 24, False)[2] == 1
-    args = (2, 32, 3000, 3000, 128, False, 128**-0.5, "bfloat16")
-    src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
-    assert not re.search(r"__shfl_sync\([^;]*\b3000\b", src)
-    assert "Potential Performance Loss" not in ptxas_report(src)
-
-
-@pytest.mark.parametrize("dim,seq_k", [(64, 777), (128, 1500)])
-def test_short_ragged_keys_without_parts_keep_the_wgmma_pipeline(dim, seq_k):
-    """Short tiles (B2 H32 Sq1000, at most ``CROSS_TILE_BLOCKS`` key blocks, no split) hold Q in
-    two slots; with a constant Sk ptxas serialised every WGMMA of those builds (C7511). There Sk
-    reaches the mask through a warp shuffle, and the build keeps its WGMMAs asynchronous and
-    spills nothing."""
+@pytest.mark.parametrize(
+    "dim,seq_q,seq_k,shuffled",
+    [(128, 3000, 3000, False), (64, 1000, 777, True), (128, 1000, 1500, True)],
+    ids=["D128-S3000-one-slot", "D64-Sk777-two-slots", "D128-Sk1500-two-slots"],
+)
+def test_ragged_keys_without_parts_keep_the_wgmma_pipeline(dim, seq_q, seq_k, shuffled):
+    """Ragged keys, no split (B2 H32). With one Q slot (S3000: 24 key blocks a tile) Sk stays a
+    constant, so nvcc skips the exponentials of the last block's masked columns. Short tiles (at
+    most ``CROSS_TILE_BLOCKS`` key blocks) hold Q in two slots, and there a constant Sk made
+    ptxas serialise every WGMMA (C7511): Sk reaches the mask through a warp shuffle. Either way
+    the WGMMAs stay asynchronous and nothing spills."""
     from test_flash_bwd_fast import ptxas_report
 
     import harness
 
     mod = load_script(BSHD)
     cfg = mod.default_config(dim, False, "sm_90a", seq_k)
-    n_tiles = -(-1000 // cfg["block_M"]) * 32 * 2
+    n_tiles = -(-seq_q // cfg["block_M"]) * 32 * 2
     assert mod.kv_split_plan(n_tiles, 132, -(-seq_k // cfg["block_N"]), False)[2] == 1
-    args = (2, 32, 1000, seq_k, dim, False, dim**-0.5, "bfloat16")
+    args = (2, 32, seq_q, seq_k, dim, False, dim**-0.5, "bfloat16")
     src = harness.compile_for(mod.flashattn_fwd, "sm_90a", *args, **cfg).get_kernel_source()
-    assert re.search(rf"__shfl_sync\([^;]*\b{seq_k}\b", src)
+    assert bool(re.search(rf"__shfl_sync\([^;]*\b{seq_k}\b", src)) == shuffled
     report = ptxas_report(src)
     assert "Potential Performance Loss" not in report, report
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
