@@ -1043,6 +1043,23 @@ def test_odd_step_counts_build_clean(B, seq, dim, with_tail):
     assert n_q_blocks % 2 == 1 and "__shfl_sync" in kernel.get_kernel_source()
 
 
+def test_single_key_block_store_launch_builds_clean():
+    """A short causal grid's storing launch (``first_store``; B2 H32 Sq777 Sk1000 D128: stride
+    8, key block 0 alone, 13 query blocks) walks an odd step count that is a constant once its
+    one key block is: it reads its count of turns through a warp shuffle too (220 bytes spilled
+    with the constant)."""
+    import harness
+
+    mod = load_script(FAST)
+    cfg = mod.default_config(128)
+    assert mod.store_stride(777, 1000, True, (-1, -1), cfg["block_M"], cfg["block_N"]) == 8
+    kernels = mod.backward_kernels(777, 1000, 128, True, 128**-0.5, "bfloat16", cfg)
+    fn, args, kw = kernels["flash_bwd_store"]
+    kernel = harness.compile_for(fn, "sm_90a", 2, 32, *args, **kw)
+    assert_clean_build(kernel)
+    assert "__shfl_sync" in kernel.get_kernel_source()
+
+
 def _case_id(case):
     B, Sq, Sk, H, D, causal, dtype, scale = case
     dt = "f16" if dtype == torch.float16 else "bf16"
