@@ -1888,7 +1888,11 @@ def default_config(dim, arch="sm_90a", grid=None):
     one's epilogue. Starting each thread block's walk over the query blocks at a different one
     (so that the blocks of a head do not reduce-add into the same dQ tile at once) lost too
     (2026-11-23, D128: level at S4096, 1-7% slower at S8192 and S16384): blocks of a head
-    reading the same Q and dO tiles together share them in L2. Converting each dQ tile inside
+    reading the same Q and dO tiles together share them in L2. Started in R groups instead
+    (thread block bx at query block (bx mod R)·n/R, each group still reading its tiles
+    together), it measured level (2026-11-29, H200, bf16 without a mask, R = 2, 4, 8:
+    0.995-1.013x at S4096-16384, this kernel timed twice 0.993-1.001x): the blocks' reduce-adds
+    into one dQ tile do not queue for it. Converting each dQ tile inside
     this kernel, by the thread block that adds into it last, instead of in ``flash_bwd_post``
     lost on 2026-11-23 (benchmarks/results/bwd_fused_post.md): 4-8% on the dense rows with the
     accumulator still zeroed by the prep, about 20% without zeroing (the first thread block at a
