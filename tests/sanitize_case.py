@@ -9,19 +9,19 @@ tiles a thread block; the varlen sink forward in parts) and packed sequences
 with a zero-length sequence, Sq ≠ Sk and partial blocks; at D = 64 also the forward without a
 mask, whose 192-row tiles take turns, and at D = 128 a causal forward whose tiles go in parts
 over long keys), the fast backward with its last wave's walks in parts over the queries
-(non-causal, ragged: tail_split_plan), and the dense forward with its tiles in parts over the
-keys (ragged keys, and a causal grid with fewer tiles than SMs: parts of each tile's own key
-blocks, merged by the combine kernel), in causal pairs of an odd block count, or in clusters of
-two thread blocks sharing K/V by TMA multicast (D = 128 without causal), or from a tile counter
-(causal D = 128, 165 tiles of 33 heads) — for
+(non-causal, ragged: tail_split_plan) or of an odd step count, and the dense forward with its
+tiles in parts over the keys (ragged keys, and a causal grid with fewer tiles than SMs: parts
+of each tile's own key blocks, merged by the combine kernel), in causal pairs of an odd block
+count, or in clusters of two thread blocks sharing K/V by TMA multicast (D = 128 without
+causal), or from a tile counter (causal D = 128, 165 tiles of 33 heads) — for
 compute-sanitizer (not collected by pytest). On an H100, from the repository root:
 
     python tests/sanitize_case.py                      # compile once (TileLang caches it)
     compute-sanitizer --tool memcheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/sanitize_case.py sink   # one family:
-                                                        # mha (MHA and GQA), tail, sink,
-                                                        # varlen or fwd
+                                                        # mha (MHA and GQA), tail, odd,
+                                                        # sink, varlen or fwd
 """
 
 import itertools
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import load_script  # noqa: E402
 
-FAMILIES = sys.argv[1:] or ["mha", "tail", "sink", "varlen", "fwd"]
+FAMILIES = sys.argv[1:] or ["mha", "tail", "odd", "sink", "varlen", "fwd"]
 mha = load_script("flash_attention/example_mha_bwd_wgmma_pipelined.py")
 gqa = load_script("flash_attention/example_gqa_bwd.py")
 # "GQA walk": the group's four heads walked by one thread block of 128 keys, which at D = 64
@@ -70,6 +70,25 @@ for D, S, H in ((64, 2000, 9), (128, 1500, 12)) if "tail" in FAMILIES else ():
     grads = torch.autograd.grad(mha.attention(q, k, v), (q, k, v), dout)
     torch.cuda.synchronize()
     print(f"tail D{D} S{S} H{H}: finite", all(bool(torch.isfinite(t).all()) for t in grads))
+
+# Walks of an odd step count, whose count of turns the fast backward reads through a warp
+# shuffle: D128 S300 without a mask (five query blocks, a compile-time count), D64 S400 (its
+# even control) and D128 Sq777 Sk1000 causal (the storing launch runs one key block a row,
+# thirteen query blocks).
+for D, Sq, Sk, causal in ((128, 300, 300, False), (64, 400, 400, False), (128, 777, 1000, True)):
+    if "odd" not in FAMILIES:
+        break
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(1, S, 2, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        for S in (Sq, Sk, Sk, Sq)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = mha.attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
+    print(f"odd D{D} Sq{Sq} Sk{Sk} causal={causal}: finite", finite)
 
 sink = load_script("attention_sink/example_gqa_sink_bwd_bhsd.py")
 sink_varlen = load_script("attention_sink/example_gqa_sink_fwd_varlen.py")
