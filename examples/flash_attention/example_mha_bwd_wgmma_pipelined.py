@@ -1215,11 +1215,12 @@ def flash_bwd(
             if most_steps % 2 == 1 and (
                 isinstance(n_steps, int) or part is not None or grid_x == 1
             ):
-                # Walks of an odd step count known at compile time (no diagonal, no window;
-                # e.g. Sq = 4000, 63 steps, whole or, with parts, the whole walks; or a launch
-                # of one key block a row, as ``first_store``'s of a short causal grid): given the
-                # count, ptxas spilled 88-220 bytes at D = 128. Read through a warp shuffle,
-                # which makes it no constant, it spills nothing, as with a causal walk's count.
+                # Walks of an odd step count known at compile time: without a diagonal or a
+                # window (e.g. Sq = 4000, 63 steps, whole or, with parts, the whole walks), or
+                # in a launch of one key block a row, whose one block fixes the count
+                # (``first_store``'s of a short causal grid). Given the count, ptxas spilled
+                # 88-220 bytes at D = 128. Read through a warp shuffle, which makes it no
+                # constant, it spills nothing, as with a causal walk's count.
                 turns = T.shfl_sync(T.int32(turns), 0)
             if may_run(n_steps // 2, most_steps // 2):
                 for i2 in T.serial(turns):
